@@ -1,0 +1,70 @@
+//! Agent registration and epochs (I4). Each registration of `(region, agent)`
+//! gets an epoch strictly greater than every earlier one; the counter lives in
+//! PostgreSQL, so it survives allocator restarts and concurrent registrations
+//! serialise on the row.
+
+use crate::http::extract::{check_id, ApiJson};
+use crate::ledger::{self, Kind, NewEvent};
+use crate::{AppState, Error, Result};
+use axum::extract::State;
+use axum::routing::post;
+use axum::{Json, Router};
+use chrono::{DateTime, Utc};
+use quota_shared::wire::{RegisterRequest, RegisterResponse};
+use sqlx::{PgConnection, PgPool};
+
+/// Routes of this module.
+pub fn router() -> Router<AppState> {
+    Router::new().route("/v1/agents/register", post(register))
+}
+
+async fn register(
+    State(state): State<AppState>,
+    ApiJson(req): ApiJson<RegisterRequest>,
+) -> Result<Json<RegisterResponse>> {
+    check_id("region", &req.region)?;
+    check_id("agent", &req.agent)?;
+    let now = state.clock.now_utc();
+    let mut tx = state.db.begin().await?;
+    let epoch: i64 = sqlx::query_scalar(include_str!("sql/agent_register.sql"))
+        .bind(&req.region)
+        .bind(&req.agent)
+        .bind(now)
+        .fetch_one(&mut *tx)
+        .await?;
+    ledger::append(
+        &mut tx,
+        now,
+        Kind::Registered,
+        NewEvent { region: Some(req.region.clone()), agent: Some(req.agent.clone()), epoch: Some(epoch), ..Default::default() },
+    )
+    .await?;
+    tx.commit().await?;
+    tracing::info!(region = %req.region, agent = %req.agent, epoch, "agent registered");
+    Ok(Json(RegisterResponse { region: req.region, agent: req.agent, epoch }))
+}
+
+/// Checks `epoch` against the current epoch of `(region, agent)` and holds a
+/// share lock on the agent row until the transaction ends, so a concurrent
+/// registration cannot slip between the check and the change (I4).
+///
+/// A lower epoch is `409 stale_epoch`; an epoch never issued is a 422.
+pub async fn fence(conn: &mut PgConnection, region: &str, agent: &str, epoch: i64) -> Result<()> {
+    let current: Option<i64> =
+        sqlx::query_scalar(include_str!("sql/agent_epoch_lock.sql")).bind(region).bind(agent).fetch_optional(conn).await?;
+    match current {
+        None => Err(Error::UnknownAgent(format!("{region}/{agent}"))),
+        Some(c) if epoch < c => Err(Error::StaleEpoch { who: format!("{region}/{agent}"), got: epoch, current: c }),
+        Some(c) if epoch > c => Err(Error::invalid("epoch", format!("epoch {epoch} was never issued to {region}/{agent} (current {c})"))),
+        Some(_) => Ok(()),
+    }
+}
+
+/// Records a refusal of a fenced request in the ledger (in its own
+/// transaction) when the error is one the ledger tracks.
+pub async fn record_refusal(db: &PgPool, at: DateTime<Utc>, err: &Error, event: NewEvent) -> Result<()> {
+    if matches!(err, Error::StaleEpoch { .. } | Error::IdempotencyMismatch(_)) {
+        ledger::append_refusal(db, at, NewEvent { reason: Some(err.code().to_string()), ..event }).await?;
+    }
+    Ok(())
+}

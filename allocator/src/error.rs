@@ -1,0 +1,168 @@
+//! The allocator's one error enum and its mapping to HTTP (DESIGN §5):
+//! 400 malformed JSON, 401 token, 404 unknown quota or lease, 409 stale epoch
+//! or idempotency mismatch, 412 version precondition, 413 body too large,
+//! 422 invalid value, 503 database unavailable. Internal errors are logged
+//! with their cause and answered without detail.
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use quota_shared::wire::ErrorBody;
+
+/// `Result` with the allocator's error.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything a request can fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The body is not JSON.
+    #[error("{0}")]
+    MalformedJson(String),
+    /// The body is not `application/json`.
+    #[error("{0}")]
+    UnsupportedMediaType(String),
+    /// Missing or wrong bearer token.
+    #[error("missing or invalid bearer token")]
+    Unauthorized,
+    /// A token that is valid but not for this route.
+    #[error("this token may not use this route")]
+    Forbidden,
+    /// A field has an invalid value; the message names the field.
+    #[error("{field}: {message}")]
+    InvalidField { field: String, message: String },
+    /// No policy for the quota.
+    #[error("no policy for quota {0}")]
+    UnknownQuota(String),
+    /// No such lease.
+    #[error("no lease {0}")]
+    UnknownLease(String),
+    /// The agent never registered.
+    #[error("agent {0} is not registered; call POST /v1/agents/register first")]
+    UnknownAgent(String),
+    /// No such route.
+    #[error("no route {0}")]
+    NoRoute(String),
+    /// I4: the request's epoch is below the agent's current epoch.
+    #[error("epoch {got} is stale: the current epoch of {who} is {current}")]
+    StaleEpoch { who: String, got: i64, current: i64 },
+    /// I3: a known idempotency key with a different body.
+    #[error("{0}")]
+    IdempotencyMismatch(String),
+    /// `If-Match` named a version that is no longer current.
+    #[error("policy version is {current}, If-Match asked for {expected}")]
+    VersionMismatch { expected: String, current: i64 },
+    /// Body over 64 KiB.
+    #[error("request body is larger than 64 KiB")]
+    PayloadTooLarge,
+    /// PostgreSQL cannot be reached (or timed out).
+    #[error("database unavailable")]
+    DatabaseUnavailable(#[source] sqlx::Error),
+    /// Anything else; logged, never detailed to the client.
+    #[error("internal error")]
+    Internal(#[source] Box<dyn std::error::Error + Send + Sync>),
+}
+
+impl Error {
+    /// Shorthand for [`Error::InvalidField`].
+    pub fn invalid(field: impl Into<String>, message: impl Into<String>) -> Self {
+        Error::InvalidField { field: field.into(), message: message.into() }
+    }
+
+    /// The status code of this error.
+    pub fn status_code(&self) -> StatusCode {
+        match self {
+            Error::MalformedJson(_) => StatusCode::BAD_REQUEST,
+            Error::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            Error::Unauthorized => StatusCode::UNAUTHORIZED,
+            Error::Forbidden => StatusCode::FORBIDDEN,
+            Error::InvalidField { .. } => StatusCode::UNPROCESSABLE_ENTITY,
+            Error::UnknownQuota(_) | Error::UnknownLease(_) | Error::UnknownAgent(_) | Error::NoRoute(_) => {
+                StatusCode::NOT_FOUND
+            }
+            Error::StaleEpoch { .. } | Error::IdempotencyMismatch(_) => StatusCode::CONFLICT,
+            Error::VersionMismatch { .. } => StatusCode::PRECONDITION_FAILED,
+            Error::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            Error::DatabaseUnavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            Error::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    /// The machine-readable code in the JSON body.
+    pub fn code(&self) -> &'static str {
+        match self {
+            Error::MalformedJson(_) => "malformed_json",
+            Error::UnsupportedMediaType(_) => "unsupported_media_type",
+            Error::Unauthorized => "unauthorized",
+            Error::Forbidden => "forbidden",
+            Error::InvalidField { .. } => "invalid_field",
+            Error::UnknownQuota(_) => "unknown_quota",
+            Error::UnknownLease(_) => "unknown_lease",
+            Error::UnknownAgent(_) => "unknown_agent",
+            Error::NoRoute(_) => "not_found",
+            Error::StaleEpoch { .. } => "stale_epoch",
+            Error::IdempotencyMismatch(_) => "idempotency_mismatch",
+            Error::VersionMismatch { .. } => "version_mismatch",
+            Error::PayloadTooLarge => "payload_too_large",
+            Error::DatabaseUnavailable(_) => "database_unavailable",
+            Error::Internal(_) => "internal",
+        }
+    }
+}
+
+/// Connection-level failures mean "unavailable" (retry), anything else is a
+/// bug or a constraint we failed to map, which is internal.
+impl From<sqlx::Error> for Error {
+    fn from(e: sqlx::Error) -> Self {
+        match &e {
+            sqlx::Error::PoolTimedOut | sqlx::Error::Io(_) | sqlx::Error::PoolClosed | sqlx::Error::Tls(_) => {
+                Error::DatabaseUnavailable(e)
+            }
+            sqlx::Error::Database(db) if is_unavailable_sqlstate(db.code().as_deref()) => {
+                Error::DatabaseUnavailable(e)
+            }
+            _ => Error::Internal(Box::new(e)),
+        }
+    }
+}
+
+/// SQLSTATEs that mean the server cannot serve right now and a retry may
+/// succeed: statement or lock timeouts (57014, 55P03), shutdown and
+/// connection classes (57P0x, 08xxx), too many connections (53300), and a
+/// transaction chosen as a deadlock or serialization victim (40P01, 40001).
+fn is_unavailable_sqlstate(code: Option<&str>) -> bool {
+    match code {
+        Some(c) => {
+            matches!(c, "57014" | "55P03" | "53300" | "40P01" | "40001") || c.starts_with("57P") || c.starts_with("08")
+        }
+        None => false,
+    }
+}
+
+impl IntoResponse for Error {
+    fn into_response(self) -> Response {
+        let status = self.status_code();
+        let message = match &self {
+            Error::DatabaseUnavailable(e) => {
+                tracing::warn!(error = %e, "database unavailable");
+                self.to_string()
+            }
+            Error::Internal(e) => {
+                let mut chain = e.to_string();
+                let mut src = e.source();
+                while let Some(s) = src {
+                    chain.push_str(": ");
+                    chain.push_str(&s.to_string());
+                    src = s.source();
+                }
+                tracing::error!(error = %chain, "internal error");
+                self.to_string()
+            }
+            _ => self.to_string(),
+        };
+        let mut resp = (status, Json(ErrorBody { error: self.code().into(), message })).into_response();
+        if status == StatusCode::SERVICE_UNAVAILABLE {
+            resp.headers_mut().insert("retry-after", axum::http::HeaderValue::from_static("1"));
+        }
+        resp
+    }
+}

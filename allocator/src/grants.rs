@@ -1,0 +1,279 @@
+//! `POST /v1/grants`: the grant transaction.
+//!
+//! In one transaction: fence the epoch (I4), look the idempotency key up
+//! (I3), lock the pool row and keep its limit current (I1, I9), compute the
+//! demand-weighted share, insert the lease clamped to its window (I2), update
+//! the pool and append the ledger event. The pool row lock, not a leader,
+//! makes concurrent grants from any number of allocator replicas safe.
+
+use crate::agents;
+use crate::http::extract::{check_count, check_id, ApiJson};
+use crate::leases::LeaseRow;
+use crate::ledger::{self, Kind, NewEvent};
+use crate::policies;
+use crate::share::{self, OtherRegion, ShareInput};
+use crate::{AppState, Error, Result};
+use axum::extract::State;
+use axum::http::{HeaderMap, HeaderValue};
+use axum::routing::post;
+use axum::{Json, Router};
+use chrono::{DateTime, Duration, Utc};
+use quota_shared::wire::{GrantRequest, GrantResponse, WindowSel};
+use quota_shared::window::Window;
+use sqlx::PgConnection;
+use std::time::Instant;
+use uuid::Uuid;
+
+/// Routes of this module.
+pub fn router() -> Router<AppState> {
+    Router::new().route("/v1/grants", post(grant))
+}
+
+/// Largest demand accepted, tokens per second.
+const MAX_DEMAND_PER_SEC: f64 = 1e12;
+
+/// The longest `retry_after_ms` suggested when a pool is empty.
+const MAX_RETRY_AFTER_MS: i64 = 60_000;
+
+fn validate(req: &GrantRequest) -> Result<()> {
+    check_id("tenant", &req.tenant)?;
+    check_id("resource", &req.resource)?;
+    check_id("region", &req.region)?;
+    check_id("agent", &req.agent)?;
+    check_count("epoch", req.epoch, 1)?;
+    check_count("seq", req.seq, 0)?;
+    check_count("want", req.want, 1)?;
+    if !req.demand_per_sec.is_finite() || !(0.0..=MAX_DEMAND_PER_SEC).contains(&req.demand_per_sec) {
+        return Err(Error::invalid(
+            "demand_per_sec",
+            format!("must be a finite number between 0 and {MAX_DEMAND_PER_SEC}, got {}", req.demand_per_sec),
+        ));
+    }
+    Ok(())
+}
+
+/// The outcome of one grant attempt.
+enum Outcome {
+    Granted(LeaseRow),
+    Replayed(LeaseRow),
+}
+
+async fn grant(State(state): State<AppState>, ApiJson(req): ApiJson<GrantRequest>) -> Result<(HeaderMap, Json<GrantResponse>)> {
+    validate(&req)?;
+    let started = Instant::now();
+    let mut attempts = 0;
+    // Two requests with one key racing on different pools both miss the
+    // lookup; the loser hits the unique key and retries once to read the
+    // winner's lease. Two attempts always suffice: the key then exists.
+    let outcome = loop {
+        attempts += 1;
+        match try_grant(&state, &req).await {
+            Err(Error::Internal(e)) if attempts < 2 && is_key_violation(e.as_ref()) => continue,
+            other => break other,
+        }
+    };
+    let now = state.clock.now_utc();
+    let mut headers = HeaderMap::new();
+    let result = match outcome {
+        Ok(Outcome::Granted(row)) => {
+            state.metrics.inc("allocator_grants_total", &[("outcome", if row.tokens > 0 { "granted" } else { "empty" })]);
+            state.metrics.inc_by("allocator_granted_tokens_total", &[], row.tokens as f64);
+            Ok(row.to_grant_response(now))
+        }
+        Ok(Outcome::Replayed(row)) => {
+            state.metrics.inc("allocator_grants_total", &[("outcome", "replayed")]);
+            headers.insert("idempotent-replayed", HeaderValue::from_static("true"));
+            Ok(row.to_grant_response(now))
+        }
+        Err(e) => {
+            state.metrics.inc("allocator_grants_total", &[("outcome", e.code())]);
+            agents::record_refusal(&state.db, now, &e, event_of(&req, None, None)).await?;
+            Err(e)
+        }
+    };
+    state.metrics.observe("allocator_grant_seconds", &[], started.elapsed().as_secs_f64());
+    Ok((headers, Json(result?)))
+}
+
+fn is_key_violation(e: &(dyn std::error::Error + Send + Sync + 'static)) -> bool {
+    e.downcast_ref::<sqlx::Error>()
+        .and_then(|e| e.as_database_error())
+        .and_then(|d| d.constraint())
+        .is_some_and(|c| c == "lease_idempotency_key")
+}
+
+fn event_of(req: &GrantRequest, lease_id: Option<Uuid>, tokens: Option<i64>) -> NewEvent {
+    NewEvent {
+        tenant: Some(req.tenant.clone()),
+        resource: Some(req.resource.clone()),
+        region: Some(req.region.clone()),
+        agent: Some(req.agent.clone()),
+        epoch: Some(req.epoch),
+        seq: Some(req.seq),
+        lease_id,
+        tokens,
+        ..Default::default()
+    }
+}
+
+/// Whether a stored lease was granted for exactly this request body.
+fn same_body(row: &LeaseRow, req: &GrantRequest) -> bool {
+    row.tenant == req.tenant
+        && row.resource == req.resource
+        && row.want == req.want
+        && row.demand_per_sec == req.demand_per_sec
+        && row.window_sel == req.window.unwrap_or_default().as_str()
+}
+
+async fn try_grant(state: &AppState, req: &GrantRequest) -> Result<Outcome> {
+    let now = state.clock.now_utc();
+    let mut tx = state.db.begin().await?;
+    agents::fence(&mut tx, &req.region, &req.agent, req.epoch).await?;
+
+    let existing: Option<LeaseRow> = sqlx::query_as(include_str!("sql/lease_by_key.sql"))
+        .bind(&req.region)
+        .bind(&req.agent)
+        .bind(req.epoch)
+        .bind(req.seq)
+        .fetch_optional(&mut *tx)
+        .await?;
+    if let Some(row) = existing {
+        if !same_body(&row, req) {
+            return Err(Error::IdempotencyMismatch(format!(
+                "grant key (region {}, agent {}, epoch {}, seq {}) was used for lease {} with a different body",
+                req.region, req.agent, req.epoch, req.seq, row.lease_id
+            )));
+        }
+        ledger::append(&mut tx, now, Kind::Replayed, event_of(req, Some(row.lease_id), Some(row.tokens))).await?;
+        tx.commit().await?;
+        return Ok(Outcome::Replayed(row));
+    }
+
+    let policy = policies::require(&mut tx, &req.tenant, &req.resource).await?;
+    let current = Window::containing(now, policy.window_secs);
+    let window = match req.window.unwrap_or_default() {
+        WindowSel::Current => current,
+        WindowSel::Next => {
+            let opens_at = current.end_at() - Duration::seconds(policy.lease_ttl_secs);
+            if now < opens_at {
+                return Err(Error::invalid(
+                    "window",
+                    format!("\"next\" is allowed only within the last lease_ttl_secs of a window, from {opens_at}"),
+                ));
+            }
+            current.next()
+        }
+    };
+    let row = grant_in_window(&mut tx, req, &policy, window, now).await?;
+    ledger::append(&mut tx, now, Kind::Granted, event_of(req, Some(row.lease_id), Some(row.tokens))).await?;
+    tx.commit().await?;
+    tracing::debug!(tenant = %req.tenant, resource = %req.resource, region = %req.region,
+        lease_id = %row.lease_id, epoch = req.epoch, tokens = row.tokens, "lease granted");
+    Ok(Outcome::Granted(row))
+}
+
+/// The pool part of the transaction: lock, share, insert, update.
+async fn grant_in_window(
+    conn: &mut PgConnection,
+    req: &GrantRequest,
+    policy: &policies::PolicyRow,
+    window: Window,
+    now: DateTime<Utc>,
+) -> Result<LeaseRow> {
+    let pool_key = (&req.tenant, &req.resource, window.start, window.secs);
+    sqlx::query(include_str!("sql/pool_ensure.sql"))
+        .bind(pool_key.0)
+        .bind(pool_key.1)
+        .bind(pool_key.2)
+        .bind(pool_key.3)
+        .bind(policy.limit_tokens)
+        .bind(policy.fallback_allowance())
+        .bind(now)
+        .execute(&mut *conn)
+        .await?;
+    // The UPDATE takes the row lock that serialises every grant of this pool
+    // and keeps the limit current (I9) in the same statement.
+    let (granted, returned): (i64, i64) = sqlx::query_as(include_str!("sql/pool_lock.sql"))
+        .bind(pool_key.0)
+        .bind(pool_key.1)
+        .bind(pool_key.2)
+        .bind(pool_key.3)
+        .bind(policy.limit_tokens)
+        .bind(policy.fallback_allowance())
+        .fetch_one(&mut *conn)
+        .await?;
+    let (region_granted, region_returned): (i64, i64) = sqlx::query_as(include_str!("sql/pool_region_demand.sql"))
+        .bind(pool_key.0)
+        .bind(pool_key.1)
+        .bind(pool_key.2)
+        .bind(pool_key.3)
+        .bind(&req.region)
+        .bind(req.demand_per_sec)
+        .bind(req.want)
+        .bind(now)
+        .fetch_one(&mut *conn)
+        .await?;
+    let active_since = now - Duration::seconds(policy.lease_ttl_secs.max(1));
+    let others: Vec<(f64, i64)> = sqlx::query_as(include_str!("sql/pool_region_others.sql"))
+        .bind(pool_key.0)
+        .bind(pool_key.1)
+        .bind(pool_key.2)
+        .bind(pool_key.3)
+        .bind(&req.region)
+        .bind(active_since)
+        .fetch_all(&mut *conn)
+        .await?;
+    let others: Vec<OtherRegion> =
+        others.into_iter().map(|(demand_per_sec, last_want)| OtherRegion { demand_per_sec, last_want }).collect();
+    let available = policy.limit_tokens - (granted - returned);
+    let tokens = share::tokens(&ShareInput {
+        want: req.want,
+        demand_per_sec: req.demand_per_sec,
+        chunk_min: policy.chunk_min,
+        chunk_max: policy.chunk_max,
+        limit: policy.limit_tokens,
+        available,
+        region_holding: region_granted - region_returned,
+        others: &others,
+    });
+    let expires_at = (now + Duration::seconds(policy.lease_ttl_secs)).min(window.end_at());
+    let retry_after_ms = (tokens == 0).then(|| window.ms_until_end(now).clamp(1, MAX_RETRY_AFTER_MS));
+    let pool_granted = granted + tokens;
+    let row: LeaseRow = sqlx::query_as(include_str!("sql/lease_insert.sql"))
+        .bind(Uuid::new_v4())
+        .bind(&req.tenant)
+        .bind(&req.resource)
+        .bind(&req.region)
+        .bind(&req.agent)
+        .bind(req.epoch)
+        .bind(req.seq)
+        .bind(window.start)
+        .bind(window.secs)
+        .bind(req.want)
+        .bind(req.demand_per_sec)
+        .bind(req.window.unwrap_or_default().as_str())
+        .bind(tokens)
+        .bind(now)
+        .bind(expires_at)
+        .bind(policy.version)
+        .bind(policy.fallback_allowance())
+        .bind(&policy.fail_mode)
+        .bind(policy.limit_tokens)
+        .bind(pool_granted)
+        .bind((policy.limit_tokens - (pool_granted - returned)).max(0))
+        .bind(retry_after_ms)
+        .fetch_one(&mut *conn)
+        .await?;
+    if tokens > 0 {
+        sqlx::query(include_str!("sql/pool_add_granted.sql"))
+            .bind(pool_key.0)
+            .bind(pool_key.1)
+            .bind(pool_key.2)
+            .bind(pool_key.3)
+            .bind(&req.region)
+            .bind(tokens)
+            .execute(&mut *conn)
+            .await?;
+    }
+    Ok(row)
+}

@@ -1,0 +1,45 @@
+//! The HTTP surface: one router per resource module, merged here, with the
+//! body limit, auth per route class and request metrics.
+
+pub mod auth;
+pub mod extract;
+pub mod metrics;
+
+use crate::{agents, grants, health, leases, ledger, policies, reports, windows, AppState, Error};
+use axum::extract::{DefaultBodyLimit, Request};
+use axum::middleware::from_fn_with_state;
+use axum::Router;
+use std::time::Duration;
+use tower_http::timeout::TimeoutLayer;
+
+/// Largest request body accepted (DESIGN §5: 413 beyond it).
+pub const MAX_BODY_BYTES: usize = 64 * 1024;
+
+/// Longest a request may take before it is answered 408; well above the
+/// statement timeout so the database answers first.
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The allocator's whole router.
+pub fn router(state: AppState) -> Router {
+    let agent_routes = Router::new()
+        .merge(agents::router())
+        .merge(grants::router())
+        .merge(leases::agent_router())
+        .merge(reports::router())
+        .route_layer(from_fn_with_state(state.clone(), auth::require_agent));
+    let admin_routes = Router::new()
+        .merge(policies::router())
+        .merge(leases::admin_router())
+        .merge(windows::router())
+        .merge(ledger::router())
+        .route_layer(from_fn_with_state(state.clone(), auth::require_admin));
+    Router::new()
+        .merge(agent_routes)
+        .merge(admin_routes)
+        .merge(health::router())
+        .fallback(|req: Request| async move { Error::NoRoute(req.uri().path().to_string()) })
+        .layer(from_fn_with_state(state.clone(), metrics::track))
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .layer(TimeoutLayer::with_status_code(axum::http::StatusCode::REQUEST_TIMEOUT, REQUEST_TIMEOUT))
+        .with_state(state)
+}

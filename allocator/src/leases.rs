@@ -1,0 +1,237 @@
+//! Leases: the row type, `POST /v1/leases/{id}/release` (unspent tokens go
+//! back to the pool only while the window is open; idempotent; epoch-fenced,
+//! I4) and `GET /v1/leases/{id}` with the lease's ledger events.
+
+use crate::agents;
+use crate::http::extract::{check_count, ApiJson, ApiPath};
+use crate::ledger::{self, Kind, NewEvent};
+use crate::{AppState, Error, Result};
+use axum::extract::State;
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use chrono::{DateTime, TimeZone, Utc};
+use quota_shared::wire::{FailMode, GrantResponse, LeaseView, PoolSnapshot, ReleaseRequest};
+use serde::Serialize;
+use uuid::Uuid;
+
+/// Agent-facing routes of this module.
+pub fn agent_router() -> Router<AppState> {
+    Router::new().route("/v1/leases/{lease_id}/release", post(release))
+}
+
+/// Operator-facing routes of this module.
+pub fn admin_router() -> Router<AppState> {
+    Router::new().route("/v1/leases/{lease_id}", get(get_lease))
+}
+
+/// A lease row.
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct LeaseRow {
+    pub lease_id: Uuid,
+    pub tenant: String,
+    pub resource: String,
+    pub region: String,
+    pub agent: String,
+    pub epoch: i64,
+    pub seq: i64,
+    pub window_start: i64,
+    pub window_secs: i64,
+    pub want: i64,
+    pub demand_per_sec: f64,
+    pub window_sel: String,
+    pub tokens: i64,
+    pub issued_at: DateTime<Utc>,
+    pub expires_at: DateTime<Utc>,
+    pub policy_version: i64,
+    pub fallback_allowance: i64,
+    pub fail_mode: String,
+    pub pool_limit: i64,
+    pub pool_granted: i64,
+    pub pool_available: i64,
+    pub retry_after_ms: Option<i64>,
+    pub unspent: Option<i64>,
+    pub returned: Option<i64>,
+    pub released_at: Option<DateTime<Utc>>,
+}
+
+fn ts(secs: i64) -> DateTime<Utc> {
+    Utc.timestamp_opt(secs, 0).single().unwrap_or_default()
+}
+
+impl LeaseRow {
+    /// End of the lease's window.
+    pub fn window_end(&self) -> DateTime<Utc> {
+        ts(self.window_start + self.window_secs)
+    }
+
+    /// The grant answer. Everything is as first granted except
+    /// `expires_in_ms`, which is recomputed from "now": an agent measures it
+    /// from the instant it sent the (replayed) request, so repeating the
+    /// original value would extend the lease past `expires_at` (I2).
+    pub fn to_grant_response(&self, now: DateTime<Utc>) -> GrantResponse {
+        GrantResponse {
+            lease_id: self.lease_id,
+            tenant: self.tenant.clone(),
+            resource: self.resource.clone(),
+            region: self.region.clone(),
+            agent: self.agent.clone(),
+            epoch: self.epoch,
+            seq: self.seq,
+            tokens: self.tokens,
+            window_start: ts(self.window_start),
+            window_end: self.window_end(),
+            expires_at: self.expires_at,
+            expires_in_ms: (self.expires_at - now).num_milliseconds().max(0),
+            policy_version: self.policy_version,
+            fallback_allowance: self.fallback_allowance,
+            fail_mode: FailMode::parse(&self.fail_mode).unwrap_or(FailMode::Strict),
+            pool: PoolSnapshot { limit: self.pool_limit, granted: self.pool_granted, available: self.pool_available },
+            retry_after_ms: self.retry_after_ms,
+        }
+    }
+
+    /// The ledger's view of the lease.
+    pub fn to_view(&self) -> LeaseView {
+        LeaseView {
+            lease_id: self.lease_id,
+            tenant: self.tenant.clone(),
+            resource: self.resource.clone(),
+            region: self.region.clone(),
+            agent: self.agent.clone(),
+            epoch: self.epoch,
+            seq: self.seq,
+            tokens: self.tokens,
+            window_start: ts(self.window_start),
+            window_end: self.window_end(),
+            issued_at: self.issued_at,
+            expires_at: self.expires_at,
+            policy_version: self.policy_version,
+            unspent: self.unspent,
+            returned: self.returned,
+            released_at: self.released_at,
+        }
+    }
+}
+
+fn parse_lease_id(s: &str) -> Result<Uuid> {
+    Uuid::parse_str(s).map_err(|_| Error::invalid("lease_id", format!("{s:?} is not a UUID")))
+}
+
+async fn release(
+    State(state): State<AppState>,
+    ApiPath(lease_id): ApiPath<String>,
+    ApiJson(req): ApiJson<ReleaseRequest>,
+) -> Result<Json<LeaseView>> {
+    let lease_id = parse_lease_id(&lease_id)?;
+    check_count("epoch", req.epoch, 1)?;
+    check_count("unspent", req.unspent, 0)?;
+    let now = state.clock.now_utc();
+    match try_release(&state, lease_id, &req, now).await {
+        Ok(view) => Ok(Json(view)),
+        Err((e, Some(row))) => {
+            let event = NewEvent {
+                tenant: Some(row.tenant),
+                resource: Some(row.resource),
+                region: Some(row.region),
+                agent: Some(row.agent),
+                epoch: Some(req.epoch),
+                lease_id: Some(lease_id),
+                tokens: Some(req.unspent),
+                ..Default::default()
+            };
+            agents::record_refusal(&state.db, now, &e, event).await?;
+            Err(e)
+        }
+        Err((e, None)) => Err(e),
+    }
+}
+
+/// The release transaction; on refusal also hands back the lease for the
+/// ledger entry.
+async fn try_release(
+    state: &AppState,
+    lease_id: Uuid,
+    req: &ReleaseRequest,
+    now: DateTime<Utc>,
+) -> Result<LeaseView, (Error, Option<LeaseRow>)> {
+    let mut tx = state.db.begin().await.map_err(|e| (e.into(), None))?;
+    let row: LeaseRow = sqlx::query_as(include_str!("sql/lease_lock.sql"))
+        .bind(lease_id)
+        .fetch_optional(&mut *tx)
+        .await
+        .map_err(|e| (e.into(), None))?
+        .ok_or_else(|| (Error::UnknownLease(lease_id.to_string()), None))?;
+    let fail = |e: Error| (e, Some(row.clone()));
+    // The sender's current epoch of the lease's agent: a restarted agent
+    // releases its predecessor's leases under its new epoch.
+    agents::fence(&mut tx, &row.region, &row.agent, req.epoch).await.map_err(fail)?;
+    if let Some(unspent) = row.unspent {
+        if unspent != req.unspent {
+            return Err(fail(Error::IdempotencyMismatch(format!(
+                "lease {lease_id} was already released with unspent {unspent}, not {}",
+                req.unspent
+            ))));
+        }
+        return Ok(row.to_view());
+    }
+    if req.unspent > row.tokens {
+        return Err(fail(Error::invalid("unspent", format!("{} is more than the lease's {} tokens", req.unspent, row.tokens))));
+    }
+    let returned = if now < row.window_end() { req.unspent } else { 0 };
+    let updated: LeaseRow = sqlx::query_as(include_str!("sql/lease_release.sql"))
+        .bind(lease_id)
+        .bind(req.unspent)
+        .bind(returned)
+        .bind(now)
+        .fetch_one(&mut *tx)
+        .await
+        .map_err(|e| fail(e.into()))?;
+    if returned > 0 {
+        sqlx::query(include_str!("sql/pool_add_returned.sql"))
+            .bind(&row.tenant)
+            .bind(&row.resource)
+            .bind(row.window_start)
+            .bind(row.window_secs)
+            .bind(&row.region)
+            .bind(returned)
+            .execute(&mut *tx)
+            .await
+            .map_err(|e| fail(e.into()))?;
+    }
+    let event = NewEvent {
+        tenant: Some(row.tenant.clone()),
+        resource: Some(row.resource.clone()),
+        region: Some(row.region.clone()),
+        agent: Some(row.agent.clone()),
+        epoch: Some(req.epoch),
+        seq: Some(row.seq),
+        lease_id: Some(lease_id),
+        tokens: Some(returned),
+        detail: Some(serde_json::json!({"unspent": req.unspent, "returned": returned})),
+        ..Default::default()
+    };
+    ledger::append(&mut tx, now, Kind::Released, event).await.map_err(fail)?;
+    tx.commit().await.map_err(|e| fail(e.into()))?;
+    state.metrics.inc_by("allocator_released_tokens_total", &[], returned as f64);
+    Ok(updated.to_view())
+}
+
+/// `GET /v1/leases/{id}` answer.
+#[derive(Debug, Serialize)]
+struct LeaseWithEvents {
+    #[serde(flatten)]
+    lease: LeaseView,
+    events: Vec<ledger::Event>,
+}
+
+async fn get_lease(State(state): State<AppState>, ApiPath(lease_id): ApiPath<String>) -> Result<Json<serde_json::Value>> {
+    let lease_id = parse_lease_id(&lease_id)?;
+    let row: LeaseRow = sqlx::query_as(include_str!("sql/lease_get.sql"))
+        .bind(lease_id)
+        .fetch_optional(&state.db)
+        .await?
+        .ok_or_else(|| Error::UnknownLease(lease_id.to_string()))?;
+    let events = ledger::for_lease(&state.db, lease_id).await?;
+    let body = LeaseWithEvents { lease: row.to_view(), events };
+    Ok(Json(serde_json::to_value(body).map_err(|e| Error::Internal(Box::new(e)))?))
+}

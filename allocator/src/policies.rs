@@ -1,0 +1,262 @@
+//! Versioned policies (DESIGN §2) and I9: a new limit governs new grants in
+//! the open window at once and every later window opens with it, without
+//! deleting any state.
+//!
+//! Defaults for omitted fields:
+//! `chunk_min = max(1, limit / 100)`, `chunk_max = max(chunk_min, limit / 10)`,
+//! `lease_ttl_secs = min(window_secs, 30)`, `fail_mode = bounded`,
+//! `fallback_per_region = limit / 100` in bounded mode and 0 in strict mode.
+
+use crate::http::auth::Principal;
+use crate::http::extract::{check_count, check_id, ApiJson, ApiPath, MAX_COUNT};
+use crate::ledger::{self, Kind, NewEvent};
+use crate::{AppState, Error, Result};
+use axum::extract::State;
+use axum::http::HeaderMap;
+use axum::routing::put;
+use axum::{Extension, Json, Router};
+use chrono::{DateTime, Utc};
+use quota_shared::wire::{FailMode, Policy, PolicySpec};
+use sqlx::PgConnection;
+
+/// Routes of this module.
+pub fn router() -> Router<AppState> {
+    Router::new().route("/v1/policies/{tenant}/{resource}", put(put_policy).get(get_policy))
+}
+
+/// A policy row.
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct PolicyRow {
+    pub tenant: String,
+    pub resource: String,
+    pub limit_tokens: i64,
+    pub window_secs: i64,
+    pub chunk_min: i64,
+    pub chunk_max: i64,
+    pub lease_ttl_secs: i64,
+    pub fallback_per_region: i64,
+    pub fail_mode: String,
+    pub version: i64,
+    pub updated_at: DateTime<Utc>,
+}
+
+impl PolicyRow {
+    /// The policy's fail mode (the column is checked by the schema).
+    pub fn fail_mode(&self) -> FailMode {
+        FailMode::parse(&self.fail_mode).unwrap_or(FailMode::Strict)
+    }
+
+    /// Fallback allowance a region gets per window under this policy.
+    pub fn fallback_allowance(&self) -> i64 {
+        match self.fail_mode() {
+            FailMode::Bounded => self.fallback_per_region,
+            FailMode::Strict => 0,
+        }
+    }
+
+    /// Wire form.
+    pub fn to_wire(&self) -> Policy {
+        Policy {
+            tenant: self.tenant.clone(),
+            resource: self.resource.clone(),
+            limit: self.limit_tokens,
+            window_secs: self.window_secs,
+            chunk_min: self.chunk_min,
+            chunk_max: self.chunk_max,
+            lease_ttl_secs: self.lease_ttl_secs,
+            fallback_per_region: self.fallback_per_region,
+            fail_mode: self.fail_mode(),
+            version: self.version,
+            updated_at: self.updated_at,
+        }
+    }
+}
+
+/// A spec with defaults filled in and every rule checked.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Resolved {
+    pub limit: i64,
+    pub window_secs: i64,
+    pub chunk_min: i64,
+    pub chunk_max: i64,
+    pub lease_ttl_secs: i64,
+    pub fallback_per_region: i64,
+    pub fail_mode: FailMode,
+}
+
+/// Fills defaults and validates: `window_secs` divides 86,400,
+/// `chunk_min ≤ chunk_max ≤ limit`, `1 ≤ lease_ttl_secs ≤ window_secs`,
+/// `0 ≤ fallback_per_region ≤ limit`, and no fallback in strict mode.
+pub fn resolve(spec: &PolicySpec) -> Result<Resolved> {
+    check_count("limit", spec.limit, 1)?;
+    if !quota_shared::window::valid_window_secs(spec.window_secs) {
+        return Err(Error::invalid(
+            "window_secs",
+            format!("must be a positive divisor of 86400, got {}", spec.window_secs),
+        ));
+    }
+    let limit = spec.limit;
+    let chunk_min = spec.chunk_min.unwrap_or_else(|| (limit / 100).max(1));
+    check_count("chunk_min", chunk_min, 1)?;
+    let chunk_max = spec.chunk_max.unwrap_or_else(|| (limit / 10).max(chunk_min).min(limit));
+    check_count("chunk_max", chunk_max, 1)?;
+    if chunk_min > chunk_max {
+        return Err(Error::invalid("chunk_min", format!("{chunk_min} is above chunk_max {chunk_max}")));
+    }
+    if chunk_max > limit {
+        return Err(Error::invalid("chunk_max", format!("{chunk_max} is above limit {limit}")));
+    }
+    let lease_ttl_secs = spec.lease_ttl_secs.unwrap_or_else(|| spec.window_secs.min(30));
+    if !(1..=spec.window_secs).contains(&lease_ttl_secs) {
+        return Err(Error::invalid(
+            "lease_ttl_secs",
+            format!("must be between 1 and window_secs ({}), got {lease_ttl_secs}", spec.window_secs),
+        ));
+    }
+    let fail_mode = spec.fail_mode.unwrap_or_default();
+    let fallback_per_region = spec.fallback_per_region.unwrap_or(match fail_mode {
+        FailMode::Bounded => limit / 100,
+        FailMode::Strict => 0,
+    });
+    check_count("fallback_per_region", fallback_per_region, 0)?;
+    if fallback_per_region > limit.min(MAX_COUNT) {
+        return Err(Error::invalid("fallback_per_region", format!("{fallback_per_region} is above limit {limit}")));
+    }
+    if fail_mode == FailMode::Strict && fallback_per_region > 0 {
+        return Err(Error::invalid("fallback_per_region", "must be 0 when fail_mode is strict"));
+    }
+    Ok(Resolved { limit, window_secs: spec.window_secs, chunk_min, chunk_max, lease_ttl_secs, fallback_per_region, fail_mode })
+}
+
+/// Loads the policy of a quota, if any.
+pub async fn load(conn: &mut PgConnection, tenant: &str, resource: &str) -> Result<Option<PolicyRow>> {
+    Ok(sqlx::query_as(include_str!("sql/policy_get.sql")).bind(tenant).bind(resource).fetch_optional(conn).await?)
+}
+
+/// Loads the policy of a quota or answers 404.
+pub async fn require(conn: &mut PgConnection, tenant: &str, resource: &str) -> Result<PolicyRow> {
+    load(conn, tenant, resource).await?.ok_or_else(|| Error::UnknownQuota(format!("{tenant}/{resource}")))
+}
+
+async fn get_policy(
+    State(state): State<AppState>,
+    ApiPath((tenant, resource)): ApiPath<(String, String)>,
+) -> Result<Json<Policy>> {
+    check_id("tenant", &tenant)?;
+    check_id("resource", &resource)?;
+    let mut conn = state.db.acquire().await?;
+    Ok(Json(require(&mut conn, &tenant, &resource).await?.to_wire()))
+}
+
+async fn put_policy(
+    State(state): State<AppState>,
+    Extension(who): Extension<Principal>,
+    ApiPath((tenant, resource)): ApiPath<(String, String)>,
+    headers: HeaderMap,
+    ApiJson(spec): ApiJson<PolicySpec>,
+) -> Result<Json<Policy>> {
+    check_id("tenant", &tenant)?;
+    check_id("resource", &resource)?;
+    let r = resolve(&spec)?;
+    let if_match = match headers.get("if-match") {
+        None => None,
+        Some(v) => {
+            let s = v.to_str().unwrap_or("").trim().trim_matches('"');
+            Some(s.parse::<i64>().map_err(|_| Error::invalid("If-Match", "must be a policy version number"))?)
+        }
+    };
+    let now = state.clock.now_utc();
+    let mut tx = state.db.begin().await?;
+    // The row lock serialises concurrent writers so versions stay strictly increasing.
+    let current: Option<i64> =
+        sqlx::query_scalar(include_str!("sql/policy_lock_version.sql")).bind(&tenant).bind(&resource).fetch_optional(&mut *tx).await?;
+    if let Some(expected) = if_match {
+        if current != Some(expected) {
+            return Err(Error::VersionMismatch { expected: expected.to_string(), current: current.unwrap_or(0) });
+        }
+    }
+    let version = current.unwrap_or(0) + 1;
+    let row: PolicyRow = sqlx::query_as(include_str!("sql/policy_upsert.sql"))
+        .bind(&tenant)
+        .bind(&resource)
+        .bind(r.limit)
+        .bind(r.window_secs)
+        .bind(r.chunk_min)
+        .bind(r.chunk_max)
+        .bind(r.lease_ttl_secs)
+        .bind(r.fallback_per_region)
+        .bind(r.fail_mode.as_str())
+        .bind(version)
+        .bind(now)
+        .bind(who.0)
+        .fetch_one(&mut *tx)
+        .await?;
+    sqlx::query(include_str!("sql/policy_version_insert.sql")).bind(&tenant).bind(&resource).bind(version).execute(&mut *tx).await?;
+    // I9: open and future pools take the new limit now; issued leases stay.
+    sqlx::query(include_str!("sql/pool_apply_policy.sql"))
+        .bind(&tenant)
+        .bind(&resource)
+        .bind(r.limit)
+        .bind(row.fallback_allowance())
+        .bind(now.timestamp())
+        .execute(&mut *tx)
+        .await?;
+    let detail = serde_json::to_value(row.to_wire()).map_err(|e| Error::Internal(Box::new(e)))?;
+    ledger::append(
+        &mut tx,
+        now,
+        Kind::PolicyChanged,
+        NewEvent {
+            tenant: Some(tenant.clone()),
+            resource: Some(resource.clone()),
+            tokens: Some(r.limit),
+            reason: Some(format!("by {}", who.0)),
+            detail: Some(detail),
+            ..Default::default()
+        },
+    )
+    .await?;
+    tx.commit().await?;
+    tracing::info!(%tenant, %resource, version, limit = r.limit, "policy written");
+    Ok(Json(row.to_wire()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(limit: i64, window_secs: i64) -> PolicySpec {
+        PolicySpec { limit, window_secs, ..Default::default() }
+    }
+
+    #[test]
+    fn defaults_are_documented_fractions_of_the_limit() {
+        let r = resolve(&spec(1000, 60)).unwrap();
+        assert_eq!((r.chunk_min, r.chunk_max, r.lease_ttl_secs, r.fallback_per_region), (10, 100, 30, 10));
+        assert_eq!(r.fail_mode, FailMode::Bounded);
+        let tiny = resolve(&spec(1, 1)).unwrap();
+        assert_eq!((tiny.chunk_min, tiny.chunk_max, tiny.lease_ttl_secs, tiny.fallback_per_region), (1, 1, 1, 0));
+    }
+
+    #[test]
+    fn rules_name_the_field() {
+        let cases = [
+            (spec(0, 60), "limit"),
+            (spec(10, 7), "window_secs"),
+            (PolicySpec { chunk_min: Some(50), chunk_max: Some(10), ..spec(100, 60) }, "chunk_min"),
+            (PolicySpec { chunk_max: Some(101), ..spec(100, 60) }, "chunk_max"),
+            (PolicySpec { lease_ttl_secs: Some(61), ..spec(100, 60) }, "lease_ttl_secs"),
+            (PolicySpec { fallback_per_region: Some(-1), ..spec(100, 60) }, "fallback_per_region"),
+            (
+                PolicySpec { fail_mode: Some(FailMode::Strict), fallback_per_region: Some(5), ..spec(100, 60) },
+                "fallback_per_region",
+            ),
+        ];
+        for (s, field) in cases {
+            match resolve(&s) {
+                Err(Error::InvalidField { field: f, .. }) => assert_eq!(f, field, "{s:?}"),
+                other => panic!("{s:?}: {other:?}"),
+            }
+        }
+    }
+}

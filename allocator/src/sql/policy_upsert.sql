@@ -1,0 +1,16 @@
+insert into policy (tenant, resource, limit_tokens, window_secs, chunk_min, chunk_max, lease_ttl_secs,
+                    fallback_per_region, fail_mode, version, updated_at, updated_by)
+values ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)
+on conflict (tenant, resource) do update set
+    limit_tokens = excluded.limit_tokens,
+    window_secs = excluded.window_secs,
+    chunk_min = excluded.chunk_min,
+    chunk_max = excluded.chunk_max,
+    lease_ttl_secs = excluded.lease_ttl_secs,
+    fallback_per_region = excluded.fallback_per_region,
+    fail_mode = excluded.fail_mode,
+    version = excluded.version,
+    updated_at = excluded.updated_at,
+    updated_by = excluded.updated_by
+returning tenant, resource, limit_tokens, window_secs, chunk_min, chunk_max, lease_ttl_secs,
+          fallback_per_region, fail_mode, version, updated_at

@@ -1,0 +1,6 @@
+insert into policy_version (tenant, resource, version, limit_tokens, window_secs, chunk_min, chunk_max,
+                            lease_ttl_secs, fallback_per_region, fail_mode, updated_at, updated_by)
+select tenant, resource, version, limit_tokens, window_secs, chunk_min, chunk_max,
+       lease_ttl_secs, fallback_per_region, fail_mode, updated_at, updated_by
+from policy
+where tenant = $1 and resource = $2 and version = $3

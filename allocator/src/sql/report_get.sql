@@ -1,0 +1,1 @@
+select body, accepted from report where report_id = $1

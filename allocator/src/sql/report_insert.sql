@@ -1,0 +1,4 @@
+insert into report (report_id, region, agent, epoch, body, accepted, received_at)
+values ($1, $2, $3, $4, $5, $6, $7)
+on conflict (report_id) do nothing
+returning accepted

@@ -1,0 +1,191 @@
+//! `GET /v1/windows/{tenant}/{resource}`: per UTC window, what was granted,
+//! returned, consumed and admitted from fallback, the overshoot bound of I6
+//! and whether the window held it, in total and per region.
+
+use crate::http::extract::{check_id, ApiPath, ApiQuery};
+use crate::ledger::parse_time;
+use crate::policies;
+use crate::{AppState, Error, Result};
+use axum::extract::State;
+use axum::routing::get;
+use axum::{Json, Router};
+use chrono::{DateTime, Duration, TimeZone, Utc};
+use quota_shared::bound::{self, BoundInputs};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// Most windows one call returns; `next_from` continues.
+pub const MAX_WINDOWS: i64 = 100;
+
+/// Routes of this module.
+pub fn router() -> Router<AppState> {
+    Router::new().route("/v1/windows/{tenant}/{resource}", get(list))
+}
+
+/// Query of `GET /v1/windows/...`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WindowsQuery {
+    /// RFC 3339; windows starting at or after it (default: 10 windows ago).
+    pub from: Option<String>,
+    /// RFC 3339; windows starting before it (default: after the next window).
+    pub to: Option<String>,
+    /// Most windows to return, 1..=100 (default 100).
+    pub limit: Option<i64>,
+}
+
+/// One region's part of a window.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct RegionAccount {
+    pub granted: i64,
+    pub returned: i64,
+    pub consumed: i64,
+    pub fallback_admitted: i64,
+    pub admitted: i64,
+    pub fallback_allowance: i64,
+    pub stranded: i64,
+    pub demand_per_sec: f64,
+}
+
+/// One window's accounting.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct WindowAccount {
+    pub window_start: DateTime<Utc>,
+    pub window_end: DateTime<Utc>,
+    pub window_secs: i64,
+    /// Whether the window has ended (stranded is final only then).
+    pub closed: bool,
+    pub limit: i64,
+    pub granted: i64,
+    pub returned: i64,
+    pub consumed: i64,
+    pub fallback_admitted: i64,
+    pub admitted: i64,
+    pub overshoot: i64,
+    pub bound: i64,
+    pub bound_held: bool,
+    pub stranded: i64,
+    pub regions: BTreeMap<String, RegionAccount>,
+}
+
+/// `GET /v1/windows/...` answer.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct WindowsPage {
+    pub tenant: String,
+    pub resource: String,
+    pub windows: Vec<WindowAccount>,
+    /// Pass as `from` to read the following windows, when there are more.
+    pub next_from: Option<DateTime<Utc>>,
+}
+
+#[derive(sqlx::FromRow)]
+struct Row {
+    window_start: i64,
+    window_secs: i64,
+    limit_tokens: i64,
+    fallback_per_region: i64,
+    granted: i64,
+    returned: i64,
+    region: Option<String>,
+    r_granted: Option<i64>,
+    r_returned: Option<i64>,
+    r_consumed: Option<i64>,
+    r_fallback: Option<i64>,
+    r_demand: Option<f64>,
+}
+
+fn ts(secs: i64) -> DateTime<Utc> {
+    Utc.timestamp_opt(secs, 0).single().unwrap_or_default()
+}
+
+async fn list(
+    State(state): State<AppState>,
+    ApiPath((tenant, resource)): ApiPath<(String, String)>,
+    ApiQuery(q): ApiQuery<WindowsQuery>,
+) -> Result<Json<WindowsPage>> {
+    check_id("tenant", &tenant)?;
+    check_id("resource", &resource)?;
+    let now = state.clock.now_utc();
+    let mut conn = state.db.acquire().await?;
+    let policy = policies::require(&mut conn, &tenant, &resource).await?;
+    let w = Duration::seconds(policy.window_secs);
+    let from = q.from.as_deref().map(|s| parse_time("from", s)).transpose()?.unwrap_or(now - w * 10);
+    let to = q.to.as_deref().map(|s| parse_time("to", s)).transpose()?.unwrap_or(now + w * 2);
+    if to < from {
+        return Err(Error::invalid("to", "must not be before from"));
+    }
+    let limit = q.limit.unwrap_or(MAX_WINDOWS);
+    if !(1..=MAX_WINDOWS).contains(&limit) {
+        return Err(Error::invalid("limit", format!("must be between 1 and {MAX_WINDOWS}, got {limit}")));
+    }
+    // One extra window tells whether there is a next page.
+    let rows: Vec<Row> = sqlx::query_as(include_str!("sql/windows_list.sql"))
+        .bind(&tenant)
+        .bind(&resource)
+        .bind(from.timestamp())
+        .bind(to.timestamp())
+        .bind(limit + 1)
+        .fetch_all(&mut *conn)
+        .await?;
+    let mut windows: Vec<WindowAccount> = Vec::new();
+    for r in rows {
+        let key = (r.window_start, r.window_secs);
+        if windows.last().is_none_or(|w| (w.window_start.timestamp(), w.window_secs) != key) {
+            windows.push(WindowAccount {
+                window_start: ts(r.window_start),
+                window_end: ts(r.window_start + r.window_secs),
+                window_secs: r.window_secs,
+                closed: ts(r.window_start + r.window_secs) <= now,
+                limit: r.limit_tokens,
+                granted: r.granted,
+                returned: r.returned,
+                consumed: 0,
+                fallback_admitted: 0,
+                admitted: 0,
+                overshoot: 0,
+                bound: 0,
+                bound_held: true,
+                stranded: 0,
+                regions: BTreeMap::new(),
+            });
+        }
+        let w = windows.last_mut().expect("pushed above");
+        if let Some(region) = r.region {
+            w.regions.insert(
+                region,
+                RegionAccount {
+                    granted: r.r_granted.unwrap_or(0),
+                    returned: r.r_returned.unwrap_or(0),
+                    consumed: r.r_consumed.unwrap_or(0),
+                    fallback_admitted: r.r_fallback.unwrap_or(0),
+                    fallback_allowance: r.fallback_per_region,
+                    demand_per_sec: r.r_demand.unwrap_or(0.0),
+                    ..Default::default()
+                },
+            );
+        }
+    }
+    let next_from = if windows.len() as i64 > limit { windows.pop().map(|w| w.window_start) } else { None };
+    for w in &mut windows {
+        finish(w);
+    }
+    Ok(Json(WindowsPage { tenant, resource, windows, next_from }))
+}
+
+/// Derives the totals, the bound and stranded tokens from the region rows.
+fn finish(w: &mut WindowAccount) {
+    let mut allowances = 0;
+    for r in w.regions.values_mut() {
+        r.admitted = r.consumed + r.fallback_admitted;
+        r.stranded = if w.closed { bound::stranded(r.granted, r.consumed, r.returned) } else { 0 };
+        w.consumed += r.consumed;
+        w.fallback_admitted += r.fallback_admitted;
+        allowances += r.fallback_allowance;
+    }
+    w.admitted = w.consumed + w.fallback_admitted;
+    let v = bound::verdict(BoundInputs { limit: w.limit, fallback_allowances: allowances, local_store_fallback: 0 }, w.admitted);
+    w.overshoot = v.overshoot;
+    w.bound = v.bound;
+    w.bound_held = v.held;
+    w.stranded = if w.closed { bound::stranded(w.granted, w.consumed, w.returned) } else { 0 };
+}

@@ -1,0 +1,20 @@
+//! Types and arithmetic that the allocator and the regional agent must agree on.
+//!
+//! # Layout
+//!
+//! * [`ids`]: identifier validation (`^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$`).
+//! * [`window`]: UTC window math (I8): `[k·W, (k+1)·W)` in Unix seconds.
+//! * [`wire`]: JSON bodies of the allocator's HTTP API, used by both sides.
+//! * [`bound`]: the overshoot bound of invariant I6.
+//! * [`clock`]: the one clock trait the services ask for "now".
+//! * [`prom`]: a small Prometheus text-format registry.
+//!
+//! Nothing here depends on axum, sqlx or redis, so the agent and the allocator
+//! can share it without sharing a runtime.
+
+pub mod bound;
+pub mod clock;
+pub mod ids;
+pub mod prom;
+pub mod window;
+pub mod wire;

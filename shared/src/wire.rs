@@ -1,0 +1,248 @@
+//! JSON bodies of the allocator's HTTP API (DESIGN §5). The agent is the
+//! allocator's main client, so both sides compile against these types and a
+//! renamed field breaks the build rather than the wire.
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+
+/// What a region does when it holds no valid lease and cannot reach the
+/// allocator.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum FailMode {
+    /// Admit up to `fallback_per_region` per window from a region counter.
+    #[default]
+    Bounded,
+    /// Answer `503 allocator_unreachable`.
+    Strict,
+}
+
+impl FailMode {
+    /// The name stored in the database and shown on the wire.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FailMode::Bounded => "bounded",
+            FailMode::Strict => "strict",
+        }
+    }
+
+    /// Parses the stored name.
+    pub fn parse(s: &str) -> Option<FailMode> {
+        match s {
+            "bounded" => Some(FailMode::Bounded),
+            "strict" => Some(FailMode::Strict),
+            _ => None,
+        }
+    }
+}
+
+/// `PUT /v1/policies/{tenant}/{resource}` body. Omitted fields get the
+/// documented defaults (see the allocator's `policies` module).
+#[derive(Debug, Clone, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct PolicySpec {
+    /// `G`: tokens per window.
+    pub limit: i64,
+    /// Window length in seconds; must divide 86,400.
+    pub window_secs: i64,
+    /// Smallest chunk granted while tokens remain.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub chunk_min: Option<i64>,
+    /// Largest chunk one grant may carry.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub chunk_max: Option<i64>,
+    /// Longest life of a lease (still clamped to the window end).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lease_ttl_secs: Option<i64>,
+    /// Tokens a region may admit per window without a lease while the
+    /// allocator is unreachable.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fallback_per_region: Option<i64>,
+    /// `bounded` or `strict`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fail_mode: Option<FailMode>,
+}
+
+/// A policy in force.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Policy {
+    pub tenant: String,
+    pub resource: String,
+    pub limit: i64,
+    pub window_secs: i64,
+    pub chunk_min: i64,
+    pub chunk_max: i64,
+    pub lease_ttl_secs: i64,
+    pub fallback_per_region: i64,
+    pub fail_mode: FailMode,
+    /// Strictly increasing per quota.
+    pub version: i64,
+    pub updated_at: DateTime<Utc>,
+}
+
+/// `POST /v1/agents/register` body.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RegisterRequest {
+    pub region: String,
+    pub agent: String,
+}
+
+/// `POST /v1/agents/register` answer.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct RegisterResponse {
+    pub region: String,
+    pub agent: String,
+    /// Strictly greater than any epoch issued before to `(region, agent)`.
+    pub epoch: i64,
+}
+
+/// Which window a grant is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum WindowSel {
+    /// The window that contains the allocator's "now".
+    #[default]
+    Current,
+    /// The following window; allowed only within the last `lease_ttl` of the
+    /// current one (prefetch, DESIGN §4).
+    Next,
+}
+
+impl WindowSel {
+    /// The name stored in the database.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WindowSel::Current => "current",
+            WindowSel::Next => "next",
+        }
+    }
+}
+
+/// `POST /v1/grants` body. `(region, agent, epoch, seq)` is the idempotency
+/// key (I3).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct GrantRequest {
+    pub tenant: String,
+    pub resource: String,
+    pub region: String,
+    pub agent: String,
+    pub epoch: i64,
+    pub seq: i64,
+    /// Tokens the region would like.
+    pub want: i64,
+    /// The region's measured demand, tokens per second.
+    pub demand_per_sec: f64,
+    #[serde(default)]
+    pub window: Option<WindowSel>,
+}
+
+/// The pool as seen right after a grant.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct PoolSnapshot {
+    pub limit: i64,
+    pub granted: i64,
+    pub available: i64,
+}
+
+/// `POST /v1/grants` answer.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct GrantResponse {
+    pub lease_id: Uuid,
+    pub tenant: String,
+    pub resource: String,
+    pub region: String,
+    pub agent: String,
+    pub epoch: i64,
+    pub seq: i64,
+    /// Tokens in the lease; may be 0 when the pool is empty.
+    pub tokens: i64,
+    pub window_start: DateTime<Utc>,
+    pub window_end: DateTime<Utc>,
+    /// `min(issued_at + lease_ttl, window_end)` (I2).
+    pub expires_at: DateTime<Utc>,
+    /// Relative life of the lease at the moment the answer was written; the
+    /// agent measures it from the instant it sent the request.
+    pub expires_in_ms: i64,
+    pub policy_version: i64,
+    pub fallback_allowance: i64,
+    pub fail_mode: FailMode,
+    pub pool: PoolSnapshot,
+    /// Present when `tokens` is 0: when asking again may help.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retry_after_ms: Option<i64>,
+}
+
+/// `POST /v1/leases/{lease_id}/release` body.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReleaseRequest {
+    /// The sender's current epoch for the lease's `(region, agent)`.
+    pub epoch: i64,
+    /// Tokens of the lease that were never spent.
+    pub unspent: i64,
+}
+
+/// One lease as the ledger knows it.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct LeaseView {
+    pub lease_id: Uuid,
+    pub tenant: String,
+    pub resource: String,
+    pub region: String,
+    pub agent: String,
+    pub epoch: i64,
+    pub seq: i64,
+    pub tokens: i64,
+    pub window_start: DateTime<Utc>,
+    pub window_end: DateTime<Utc>,
+    pub issued_at: DateTime<Utc>,
+    pub expires_at: DateTime<Utc>,
+    pub policy_version: i64,
+    /// Unspent tokens the agent reported on release, if released.
+    pub unspent: Option<i64>,
+    /// Tokens credited back to the pool (0 when released after the window
+    /// closed), if released.
+    pub returned: Option<i64>,
+    pub released_at: Option<DateTime<Utc>>,
+}
+
+/// One quota's counts for one window in a report.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ReportItem {
+    pub tenant: String,
+    pub resource: String,
+    pub window_start: DateTime<Utc>,
+    /// Tokens admitted from leases.
+    pub consumed: i64,
+    /// Tokens admitted from the fallback allowance.
+    pub fallback_admitted: i64,
+}
+
+/// `POST /v1/reports` body; idempotent by `report_id` (I7).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ReportRequest {
+    pub region: String,
+    pub agent: String,
+    pub epoch: i64,
+    pub report_id: String,
+    pub items: Vec<ReportItem>,
+}
+
+/// `POST /v1/reports` answer.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ReportResponse {
+    /// Items applied (on a replay, the count applied the first time).
+    pub accepted: i64,
+}
+
+/// Every error answer: `{"error": "<code>", "message": "..."}`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ErrorBody {
+    pub error: String,
+    pub message: String,
+}

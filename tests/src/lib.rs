@@ -1,0 +1,27 @@
+//! The test harness: real PostgreSQL and Redis servers, the allocator in
+//! process, and a small HTTP client.
+//!
+//! # Layout
+//!
+//! * [`pg`]: an ephemeral PostgreSQL per test (initdb once per process into a
+//!   template, copied per test, free loopback port, run as an unprivileged
+//!   user when the tests run as root), or `DATABASE_URL` with a fresh
+//!   database per test, or a Docker container when neither is possible.
+//! * [`redis`]: an ephemeral `redis-server` per test (no persistence), or
+//!   `REDIS_URL` with a key prefix per test.
+//! * [`procs`]: child processes that die with the test, also on panic.
+//! * [`app`]: the allocator started in process on a free port.
+//! * [`http`]: a JSON client that returns status, headers and body.
+//! * [`wait`]: polling a condition with a deadline instead of sleeping.
+
+pub mod app;
+pub mod http;
+pub mod pg;
+pub mod procs;
+pub mod redis;
+pub mod wait;
+
+/// A loopback port that was free a moment ago.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("free port")
+}
