@@ -36,7 +36,12 @@ async fn register(
         &mut tx,
         now,
         Kind::Registered,
-        NewEvent { region: Some(req.region.clone()), agent: Some(req.agent.clone()), epoch: Some(epoch), ..Default::default() },
+        NewEvent {
+            region: Some(req.region.clone()),
+            agent: Some(req.agent.clone()),
+            epoch: Some(epoch),
+            ..Default::default()
+        },
     )
     .await?;
     tx.commit().await?;
@@ -50,12 +55,20 @@ async fn register(
 ///
 /// A lower epoch is `409 stale_epoch`; an epoch never issued is a 422.
 pub async fn fence(conn: &mut PgConnection, region: &str, agent: &str, epoch: i64) -> Result<()> {
-    let current: Option<i64> =
-        sqlx::query_scalar(include_str!("sql/agent_epoch_lock.sql")).bind(region).bind(agent).fetch_optional(conn).await?;
+    let current: Option<i64> = sqlx::query_scalar(include_str!("sql/agent_epoch_lock.sql"))
+        .bind(region)
+        .bind(agent)
+        .fetch_optional(conn)
+        .await?;
     match current {
         None => Err(Error::UnknownAgent(format!("{region}/{agent}"))),
-        Some(c) if epoch < c => Err(Error::StaleEpoch { who: format!("{region}/{agent}"), got: epoch, current: c }),
-        Some(c) if epoch > c => Err(Error::invalid("epoch", format!("epoch {epoch} was never issued to {region}/{agent} (current {c})"))),
+        Some(c) if epoch < c => {
+            Err(Error::StaleEpoch { who: format!("{region}/{agent}"), got: epoch, current: c })
+        }
+        Some(c) if epoch > c => Err(Error::invalid(
+            "epoch",
+            format!("epoch {epoch} was never issued to {region}/{agent} (current {c})"),
+        )),
         Some(_) => Ok(()),
     }
 }

@@ -114,9 +114,10 @@ impl Error {
 impl From<sqlx::Error> for Error {
     fn from(e: sqlx::Error) -> Self {
         match &e {
-            sqlx::Error::PoolTimedOut | sqlx::Error::Io(_) | sqlx::Error::PoolClosed | sqlx::Error::Tls(_) => {
-                Error::DatabaseUnavailable(e)
-            }
+            sqlx::Error::PoolTimedOut
+            | sqlx::Error::Io(_)
+            | sqlx::Error::PoolClosed
+            | sqlx::Error::Tls(_) => Error::DatabaseUnavailable(e),
             sqlx::Error::Database(db) if is_unavailable_sqlstate(db.code().as_deref()) => {
                 Error::DatabaseUnavailable(e)
             }
@@ -132,7 +133,9 @@ impl From<sqlx::Error> for Error {
 fn is_unavailable_sqlstate(code: Option<&str>) -> bool {
     match code {
         Some(c) => {
-            matches!(c, "57014" | "55P03" | "53300" | "40P01" | "40001") || c.starts_with("57P") || c.starts_with("08")
+            matches!(c, "57014" | "55P03" | "53300" | "40P01" | "40001")
+                || c.starts_with("57P")
+                || c.starts_with("08")
         }
         None => false,
     }

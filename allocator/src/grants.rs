@@ -18,8 +18,8 @@ use axum::http::{HeaderMap, HeaderValue};
 use axum::routing::post;
 use axum::{Json, Router};
 use chrono::{DateTime, Duration, Utc};
-use quota_shared::wire::{GrantRequest, GrantResponse, WindowSel};
 use quota_shared::window::Window;
+use quota_shared::wire::{GrantRequest, GrantResponse, WindowSel};
 use sqlx::PgConnection;
 use std::time::Instant;
 use uuid::Uuid;
@@ -58,7 +58,10 @@ enum Outcome {
     Replayed(LeaseRow),
 }
 
-async fn grant(State(state): State<AppState>, ApiJson(req): ApiJson<GrantRequest>) -> Result<(HeaderMap, Json<GrantResponse>)> {
+async fn grant(
+    State(state): State<AppState>,
+    ApiJson(req): ApiJson<GrantRequest>,
+) -> Result<(HeaderMap, Json<GrantResponse>)> {
     validate(&req)?;
     let started = Instant::now();
     let mut attempts = 0;
@@ -76,7 +79,10 @@ async fn grant(State(state): State<AppState>, ApiJson(req): ApiJson<GrantRequest
     let mut headers = HeaderMap::new();
     let result = match outcome {
         Ok(Outcome::Granted(row)) => {
-            state.metrics.inc("allocator_grants_total", &[("outcome", if row.tokens > 0 { "granted" } else { "empty" })]);
+            state.metrics.inc(
+                "allocator_grants_total",
+                &[("outcome", if row.tokens > 0 { "granted" } else { "empty" })],
+            );
             state.metrics.inc_by("allocator_granted_tokens_total", &[], row.tokens as f64);
             Ok(row.to_grant_response(now))
         }
@@ -144,7 +150,8 @@ async fn try_grant(state: &AppState, req: &GrantRequest) -> Result<Outcome> {
                 req.region, req.agent, req.epoch, req.seq, row.lease_id
             )));
         }
-        ledger::append(&mut tx, now, Kind::Replayed, event_of(req, Some(row.lease_id), Some(row.tokens))).await?;
+        ledger::append(&mut tx, now, Kind::Replayed, event_of(req, Some(row.lease_id), Some(row.tokens)))
+            .await?;
         tx.commit().await?;
         return Ok(Outcome::Replayed(row));
     }
@@ -202,17 +209,18 @@ async fn grant_in_window(
         .bind(policy.fallback_allowance())
         .fetch_one(&mut *conn)
         .await?;
-    let (region_granted, region_returned): (i64, i64) = sqlx::query_as(include_str!("sql/pool_region_demand.sql"))
-        .bind(pool_key.0)
-        .bind(pool_key.1)
-        .bind(pool_key.2)
-        .bind(pool_key.3)
-        .bind(&req.region)
-        .bind(req.demand_per_sec)
-        .bind(req.want)
-        .bind(now)
-        .fetch_one(&mut *conn)
-        .await?;
+    let (region_granted, region_returned): (i64, i64) =
+        sqlx::query_as(include_str!("sql/pool_region_demand.sql"))
+            .bind(pool_key.0)
+            .bind(pool_key.1)
+            .bind(pool_key.2)
+            .bind(pool_key.3)
+            .bind(&req.region)
+            .bind(req.demand_per_sec)
+            .bind(req.want)
+            .bind(now)
+            .fetch_one(&mut *conn)
+            .await?;
     let active_since = now - Duration::seconds(policy.lease_ttl_secs.max(1));
     let others: Vec<(f64, i64)> = sqlx::query_as(include_str!("sql/pool_region_others.sql"))
         .bind(pool_key.0)
@@ -223,8 +231,10 @@ async fn grant_in_window(
         .bind(active_since)
         .fetch_all(&mut *conn)
         .await?;
-    let others: Vec<OtherRegion> =
-        others.into_iter().map(|(demand_per_sec, last_want)| OtherRegion { demand_per_sec, last_want }).collect();
+    let others: Vec<OtherRegion> = others
+        .into_iter()
+        .map(|(demand_per_sec, last_want)| OtherRegion { demand_per_sec, last_want })
+        .collect();
     let available = policy.limit_tokens - (granted - returned);
     let tokens = share::tokens(&ShareInput {
         want: req.want,

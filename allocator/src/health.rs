@@ -11,7 +11,10 @@ use serde_json::{json, Value};
 
 /// Routes of this module.
 pub fn router() -> Router<AppState> {
-    Router::new().route("/healthz", get(healthz)).route("/readyz", get(readyz)).route("/metrics", get(metrics))
+    Router::new()
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
 }
 
 async fn healthz() -> Json<Value> {

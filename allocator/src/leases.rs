@@ -85,7 +85,11 @@ impl LeaseRow {
             policy_version: self.policy_version,
             fallback_allowance: self.fallback_allowance,
             fail_mode: FailMode::parse(&self.fail_mode).unwrap_or(FailMode::Strict),
-            pool: PoolSnapshot { limit: self.pool_limit, granted: self.pool_granted, available: self.pool_available },
+            pool: PoolSnapshot {
+                limit: self.pool_limit,
+                granted: self.pool_granted,
+                available: self.pool_available,
+            },
             retry_after_ms: self.retry_after_ms,
         }
     }
@@ -175,7 +179,10 @@ async fn try_release(
         return Ok(row.to_view());
     }
     if req.unspent > row.tokens {
-        return Err(fail(Error::invalid("unspent", format!("{} is more than the lease's {} tokens", req.unspent, row.tokens))));
+        return Err(fail(Error::invalid(
+            "unspent",
+            format!("{} is more than the lease's {} tokens", req.unspent, row.tokens),
+        )));
     }
     let returned = if now < row.window_end() { req.unspent } else { 0 };
     let updated: LeaseRow = sqlx::query_as(include_str!("sql/lease_release.sql"))
@@ -224,7 +231,10 @@ struct LeaseWithEvents {
     events: Vec<ledger::Event>,
 }
 
-async fn get_lease(State(state): State<AppState>, ApiPath(lease_id): ApiPath<String>) -> Result<Json<serde_json::Value>> {
+async fn get_lease(
+    State(state): State<AppState>,
+    ApiPath(lease_id): ApiPath<String>,
+) -> Result<Json<serde_json::Value>> {
     let lease_id = parse_lease_id(&lease_id)?;
     let row: LeaseRow = sqlx::query_as(include_str!("sql/lease_get.sql"))
         .bind(lease_id)

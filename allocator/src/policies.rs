@@ -120,17 +120,32 @@ pub fn resolve(spec: &PolicySpec) -> Result<Resolved> {
     });
     check_count("fallback_per_region", fallback_per_region, 0)?;
     if fallback_per_region > limit.min(MAX_COUNT) {
-        return Err(Error::invalid("fallback_per_region", format!("{fallback_per_region} is above limit {limit}")));
+        return Err(Error::invalid(
+            "fallback_per_region",
+            format!("{fallback_per_region} is above limit {limit}"),
+        ));
     }
     if fail_mode == FailMode::Strict && fallback_per_region > 0 {
         return Err(Error::invalid("fallback_per_region", "must be 0 when fail_mode is strict"));
     }
-    Ok(Resolved { limit, window_secs: spec.window_secs, chunk_min, chunk_max, lease_ttl_secs, fallback_per_region, fail_mode })
+    Ok(Resolved {
+        limit,
+        window_secs: spec.window_secs,
+        chunk_min,
+        chunk_max,
+        lease_ttl_secs,
+        fallback_per_region,
+        fail_mode,
+    })
 }
 
 /// Loads the policy of a quota, if any.
 pub async fn load(conn: &mut PgConnection, tenant: &str, resource: &str) -> Result<Option<PolicyRow>> {
-    Ok(sqlx::query_as(include_str!("sql/policy_get.sql")).bind(tenant).bind(resource).fetch_optional(conn).await?)
+    Ok(sqlx::query_as(include_str!("sql/policy_get.sql"))
+        .bind(tenant)
+        .bind(resource)
+        .fetch_optional(conn)
+        .await?)
 }
 
 /// Loads the policy of a quota or answers 404.
@@ -162,17 +177,26 @@ async fn put_policy(
         None => None,
         Some(v) => {
             let s = v.to_str().unwrap_or("").trim().trim_matches('"');
-            Some(s.parse::<i64>().map_err(|_| Error::invalid("If-Match", "must be a policy version number"))?)
+            Some(
+                s.parse::<i64>()
+                    .map_err(|_| Error::invalid("If-Match", "must be a policy version number"))?,
+            )
         }
     };
     let now = state.clock.now_utc();
     let mut tx = state.db.begin().await?;
     // The row lock serialises concurrent writers so versions stay strictly increasing.
-    let current: Option<i64> =
-        sqlx::query_scalar(include_str!("sql/policy_lock_version.sql")).bind(&tenant).bind(&resource).fetch_optional(&mut *tx).await?;
+    let current: Option<i64> = sqlx::query_scalar(include_str!("sql/policy_lock_version.sql"))
+        .bind(&tenant)
+        .bind(&resource)
+        .fetch_optional(&mut *tx)
+        .await?;
     if let Some(expected) = if_match {
         if current != Some(expected) {
-            return Err(Error::VersionMismatch { expected: expected.to_string(), current: current.unwrap_or(0) });
+            return Err(Error::VersionMismatch {
+                expected: expected.to_string(),
+                current: current.unwrap_or(0),
+            });
         }
     }
     let version = current.unwrap_or(0) + 1;
@@ -191,7 +215,12 @@ async fn put_policy(
         .bind(who.0)
         .fetch_one(&mut *tx)
         .await?;
-    sqlx::query(include_str!("sql/policy_version_insert.sql")).bind(&tenant).bind(&resource).bind(version).execute(&mut *tx).await?;
+    sqlx::query(include_str!("sql/policy_version_insert.sql"))
+        .bind(&tenant)
+        .bind(&resource)
+        .bind(version)
+        .execute(&mut *tx)
+        .await?;
     // I9: open and future pools take the new limit now; issued leases stay.
     sqlx::query(include_str!("sql/pool_apply_policy.sql"))
         .bind(&tenant)
@@ -235,7 +264,10 @@ mod tests {
         assert_eq!((r.chunk_min, r.chunk_max, r.lease_ttl_secs, r.fallback_per_region), (10, 100, 30, 10));
         assert_eq!(r.fail_mode, FailMode::Bounded);
         let tiny = resolve(&spec(1, 1)).unwrap();
-        assert_eq!((tiny.chunk_min, tiny.chunk_max, tiny.lease_ttl_secs, tiny.fallback_per_region), (1, 1, 1, 0));
+        assert_eq!(
+            (tiny.chunk_min, tiny.chunk_max, tiny.lease_ttl_secs, tiny.fallback_per_region),
+            (1, 1, 1, 0)
+        );
     }
 
     #[test]
@@ -248,7 +280,11 @@ mod tests {
             (PolicySpec { lease_ttl_secs: Some(61), ..spec(100, 60) }, "lease_ttl_secs"),
             (PolicySpec { fallback_per_region: Some(-1), ..spec(100, 60) }, "fallback_per_region"),
             (
-                PolicySpec { fail_mode: Some(FailMode::Strict), fallback_per_region: Some(5), ..spec(100, 60) },
+                PolicySpec {
+                    fail_mode: Some(FailMode::Strict),
+                    fallback_per_region: Some(5),
+                    ..spec(100, 60)
+                },
                 "fallback_per_region",
             ),
         ];

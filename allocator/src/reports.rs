@@ -15,7 +15,7 @@ use quota_shared::wire::{ReportRequest, ReportResponse};
 use sqlx::PgConnection;
 
 /// Most items one report may carry.
-pub const MAX_ITEMS: usize = 1000;
+pub const MAX_ITEMS: usize = 500;
 
 /// Longest `report_id` accepted.
 pub const MAX_REPORT_ID_LEN: usize = 128;
@@ -29,11 +29,20 @@ fn validate(req: &ReportRequest) -> Result<()> {
     check_id("region", &req.region)?;
     check_id("agent", &req.agent)?;
     check_count("epoch", req.epoch, 1)?;
-    if req.report_id.is_empty() || req.report_id.len() > MAX_REPORT_ID_LEN || req.report_id.chars().any(|c| c.is_control()) {
-        return Err(Error::invalid("report_id", format!("must be 1 to {MAX_REPORT_ID_LEN} printable characters")));
+    if req.report_id.is_empty()
+        || req.report_id.len() > MAX_REPORT_ID_LEN
+        || req.report_id.chars().any(|c| c.is_control())
+    {
+        return Err(Error::invalid(
+            "report_id",
+            format!("must be 1 to {MAX_REPORT_ID_LEN} printable characters"),
+        ));
     }
     if req.items.len() > MAX_ITEMS {
-        return Err(Error::invalid("items", format!("at most {MAX_ITEMS} items per report, got {}", req.items.len())));
+        return Err(Error::invalid(
+            "items",
+            format!("at most {MAX_ITEMS} items per report, got {}", req.items.len()),
+        ));
     }
     for (i, item) in req.items.iter().enumerate() {
         check_id(&format!("items[{i}].tenant"), &item.tenant)?;
@@ -47,7 +56,10 @@ fn validate(req: &ReportRequest) -> Result<()> {
     Ok(())
 }
 
-async fn report(State(state): State<AppState>, ApiJson(req): ApiJson<ReportRequest>) -> Result<Json<ReportResponse>> {
+async fn report(
+    State(state): State<AppState>,
+    ApiJson(req): ApiJson<ReportRequest>,
+) -> Result<Json<ReportResponse>> {
     validate(&req)?;
     let now = state.clock.now_utc();
     match apply(&state, &req, now).await {
@@ -82,8 +94,10 @@ async fn apply(state: &AppState, req: &ReportRequest, now: DateTime<Utc>) -> Res
         .fetch_optional(&mut *tx)
         .await?;
     if inserted.is_none() {
-        let (stored, accepted): (serde_json::Value, i64) =
-            sqlx::query_as(include_str!("sql/report_get.sql")).bind(&req.report_id).fetch_one(&mut *tx).await?;
+        let (stored, accepted): (serde_json::Value, i64) = sqlx::query_as(include_str!("sql/report_get.sql"))
+            .bind(&req.report_id)
+            .fetch_one(&mut *tx)
+            .await?;
         // The epoch may differ: a restarted agent resends its predecessor's
         // outbox under its own epoch.
         let strip = |mut v: serde_json::Value| {
@@ -102,11 +116,14 @@ async fn apply(state: &AppState, req: &ReportRequest, now: DateTime<Utc>) -> Res
     }
     // A fixed order of row locks, so two reports never deadlock each other.
     let mut items: Vec<_> = req.items.iter().collect();
-    items.sort_by(|a, b| (&a.tenant, &a.resource, a.window_start).cmp(&(&b.tenant, &b.resource, b.window_start)));
+    items.sort_by(|a, b| {
+        (&a.tenant, &a.resource, a.window_start).cmp(&(&b.tenant, &b.resource, b.window_start))
+    });
     for item in items {
         let policy = policies::require(&mut tx, &item.tenant, &item.resource).await?;
         let start = item.window_start.timestamp();
-        let window_secs = pool_window_secs(&mut tx, &item.tenant, &item.resource, start, policy.window_secs).await?;
+        let window_secs =
+            pool_window_secs(&mut tx, &item.tenant, &item.resource, start, policy.window_secs).await?;
         if start.rem_euclid(window_secs) != 0 {
             return Err(Error::invalid(
                 "items.window_start",
@@ -157,7 +174,13 @@ async fn apply(state: &AppState, req: &ReportRequest, now: DateTime<Utc>) -> Res
 /// The window length of the pool a report item belongs to: the pool that
 /// already exists at that start (it may predate a change of `window_secs`),
 /// otherwise the policy's current length.
-async fn pool_window_secs(conn: &mut PgConnection, tenant: &str, resource: &str, start: i64, current: i64) -> Result<i64> {
+async fn pool_window_secs(
+    conn: &mut PgConnection,
+    tenant: &str,
+    resource: &str,
+    start: i64,
+    current: i64,
+) -> Result<i64> {
     let existing: Option<i64> = sqlx::query_scalar(include_str!("sql/pool_window_secs_at.sql"))
         .bind(tenant)
         .bind(resource)

@@ -48,7 +48,8 @@ pub fn tokens(i: &ShareInput<'_>) -> i64 {
     let share = if outstanding <= i.available {
         want
     } else {
-        let total_demand: f64 = i.demand_per_sec + i.others.iter().map(|o| o.demand_per_sec.max(0.0)).sum::<f64>();
+        let total_demand: f64 =
+            i.demand_per_sec + i.others.iter().map(|o| o.demand_per_sec.max(0.0)).sum::<f64>();
         let entitlement = if total_demand > 0.0 {
             (i.limit as f64 * (i.demand_per_sec.max(0.0) / total_demand)).floor() as i64
         } else {

@@ -183,7 +183,10 @@ fn finish(w: &mut WindowAccount) {
         allowances += r.fallback_allowance;
     }
     w.admitted = w.consumed + w.fallback_admitted;
-    let v = bound::verdict(BoundInputs { limit: w.limit, fallback_allowances: allowances, local_store_fallback: 0 }, w.admitted);
+    let v = bound::verdict(
+        BoundInputs { limit: w.limit, fallback_allowances: allowances, local_store_fallback: 0 },
+        w.admitted,
+    );
     w.overshoot = v.overshoot;
     w.bound = v.bound;
     w.bound_held = v.held;

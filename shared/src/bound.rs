@@ -18,9 +18,7 @@ pub struct BoundInputs {
 impl BoundInputs {
     /// The most a window may admit.
     pub fn bound(&self) -> i64 {
-        self.limit
-            .saturating_add(self.fallback_allowances)
-            .saturating_add(self.local_store_fallback)
+        self.limit.saturating_add(self.fallback_allowances).saturating_add(self.local_store_fallback)
     }
 }
 

@@ -23,7 +23,9 @@ impl std::fmt::Display for IdError {
             IdError::Empty => write!(f, "must not be empty"),
             IdError::TooLong(n) => write!(f, "is {n} characters long, at most {MAX_ID_LEN} allowed"),
             IdError::BadStart => write!(f, "must start with a letter or digit"),
-            IdError::BadChar(c) => write!(f, "contains {c:?}; only letters, digits, '.', '_' and '-' are allowed"),
+            IdError::BadChar(c) => {
+                write!(f, "contains {c:?}; only letters, digits, '.', '_' and '-' are allowed")
+            }
         }
     }
 }

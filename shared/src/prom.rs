@@ -129,7 +129,9 @@ impl Registry {
 fn fmt_labels(labels: &Labels, le: Option<&str>) -> String {
     let mut parts: Vec<String> = labels
         .iter()
-        .map(|(k, v)| format!("{k}=\"{}\"", v.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")))
+        .map(|(k, v)| {
+            format!("{k}=\"{}\"", v.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n"))
+        })
         .collect();
     if let Some(le) = le {
         parts.push(format!("le=\"{le}\""));

@@ -38,7 +38,9 @@ impl TestAllocator {
 
     /// An allocator with `opts`.
     pub async fn spawn_with(database_url: &str, opts: Options) -> TestAllocator {
-        let db = allocator::connect(database_url, opts.max_connections.unwrap_or(16)).await.expect("connect allocator");
+        let db = allocator::connect(database_url, opts.max_connections.unwrap_or(16))
+            .await
+            .expect("connect allocator");
         let mut state = AppState::new(db);
         if let Some(c) = opts.clock {
             state.clock = c;

@@ -66,7 +66,8 @@ impl Http {
         let status = resp.status().as_u16();
         let headers = resp.headers().clone();
         let bytes = resp.bytes().await.expect("body");
-        let body = serde_json::from_slice(&bytes).unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into()));
+        let body = serde_json::from_slice(&bytes)
+            .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into()));
         Resp { status, headers, body }
     }
 
@@ -86,7 +87,12 @@ impl Http {
     }
 
     /// PUT a JSON body with extra headers.
-    pub async fn put_with<T: Serialize + ?Sized>(&self, path: &str, body: &T, headers: &[(&str, &str)]) -> Resp {
+    pub async fn put_with<T: Serialize + ?Sized>(
+        &self,
+        path: &str,
+        body: &T,
+        headers: &[(&str, &str)],
+    ) -> Resp {
         let mut rb = self.client.put(format!("{}{path}", self.base)).json(body);
         for (k, v) in headers {
             rb = rb.header(*k, *v);

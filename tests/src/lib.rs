@@ -15,6 +15,7 @@
 //! * [`wait`]: polling a condition with a deadline instead of sleeping.
 
 pub mod app;
+pub mod fixtures;
 pub mod http;
 pub mod pg;
 pub mod procs;
@@ -23,5 +24,8 @@ pub mod wait;
 
 /// A loopback port that was free a moment ago.
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("free port")
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("free port")
 }

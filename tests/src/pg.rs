@@ -51,7 +51,9 @@ impl Server {
             cmd.arg("-c").arg(setting);
         }
         let user = procs::is_root().then_some(NOBODY);
-        self.child = Some(Child::spawn("postgres", cmd, &self.dir.join("postgres.log"), user).map_err(|e| e.to_string())?);
+        self.child = Some(
+            Child::spawn("postgres", cmd, &self.dir.join("postgres.log"), user).map_err(|e| e.to_string())?,
+        );
         Ok(())
     }
 }
@@ -74,7 +76,8 @@ fn pg_bin(name: &str) -> Result<PathBuf, String> {
         versions.reverse();
         extra.extend(versions);
     }
-    procs::find_binary(name, &extra).ok_or_else(|| format!("{name} not found on PATH or in /usr/lib/postgresql/*/bin"))
+    procs::find_binary(name, &extra)
+        .ok_or_else(|| format!("{name} not found on PATH or in /usr/lib/postgresql/*/bin"))
 }
 
 /// A directory the server user may write to.
@@ -112,7 +115,16 @@ fn template() -> Result<&'static PathBuf, String> {
             let dir = scratch_root().join("template");
             make_dir(&dir)?;
             let mut cmd = Command::new(pg_bin("initdb")?);
-            cmd.arg("-D").arg(&dir).args(["-A", "trust", "-U", "postgres", "-E", "UTF8", "--no-locale", "--no-sync"]);
+            cmd.arg("-D").arg(&dir).args([
+                "-A",
+                "trust",
+                "-U",
+                "postgres",
+                "-E",
+                "UTF8",
+                "--no-locale",
+                "--no-sync",
+            ]);
             if procs::is_root() {
                 use std::os::unix::process::CommandExt;
                 cmd.uid(NOBODY.0).gid(NOBODY.1);
@@ -178,16 +190,14 @@ impl TestDb {
             return Self::local().await;
         }
         if procs::docker_available() {
-            let (container, port) = Container::run(
-                "postgres:16-alpine",
-                5432,
-                &["-e", "POSTGRES_HOST_AUTH_METHOD=trust"],
-            )?;
+            let (container, port) =
+                Container::run("postgres:16-alpine", 5432, &["-e", "POSTGRES_HOST_AUTH_METHOD=trust"])?;
             let url = format!("postgres://postgres@127.0.0.1:{port}/postgres");
             wait_ready(&url, None).await?;
             return Ok(TestDb { url, server: None, external: None, _container: Some(container) });
         }
-        Err("no DATABASE_URL, no initdb/postgres binaries (apt-get install postgresql) and no Docker engine".into())
+        Err("no DATABASE_URL, no initdb/postgres binaries (apt-get install postgresql) and no Docker engine"
+            .into())
     }
 
     async fn local() -> Result<TestDb, String> {
@@ -278,7 +288,10 @@ impl Drop for TestDb {
 mod tests {
     #[test]
     fn replace_db_keeps_credentials_and_query() {
-        assert_eq!(super::replace_db("postgres://u:p@h:5/db?sslmode=disable", "t1"), "postgres://u:p@h:5/t1?sslmode=disable");
+        assert_eq!(
+            super::replace_db("postgres://u:p@h:5/db?sslmode=disable", "t1"),
+            "postgres://u:p@h:5/t1?sslmode=disable"
+        );
         assert_eq!(super::replace_db("postgres://h", "t1"), "postgres://h/t1");
     }
 }

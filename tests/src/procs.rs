@@ -25,7 +25,12 @@ pub struct Child {
 impl Child {
     /// Spawns `cmd` with output sent to `log` (a file path), as `user` when
     /// given, dying with the spawning thread.
-    pub fn spawn(name: &str, mut cmd: Command, log: &std::path::Path, user: Option<(u32, u32)>) -> std::io::Result<Child> {
+    pub fn spawn(
+        name: &str,
+        mut cmd: Command,
+        log: &std::path::Path,
+        user: Option<(u32, u32)>,
+    ) -> std::io::Result<Child> {
         let out = std::fs::File::create(log)?;
         let err = out.try_clone()?;
         cmd.stdin(Stdio::null()).stdout(out).stderr(err);
@@ -145,6 +150,10 @@ impl Container {
 
 impl Drop for Container {
     fn drop(&mut self) {
-        let _ = Command::new("docker").args(["rm", "-f", &self.id]).stdout(Stdio::null()).stderr(Stdio::null()).status();
+        let _ = Command::new("docker")
+            .args(["rm", "-f", &self.id])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
     }
 }

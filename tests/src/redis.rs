@@ -37,7 +37,14 @@ impl TestRedis {
         }
         if let Some(bin) = procs::find_binary("redis-server", &[]) {
             let dir = tempfile::tempdir().expect("temp dir");
-            let mut r = TestRedis { url: String::new(), prefix, port: crate::free_port(), child: None, dir: Some(dir), _container: None };
+            let mut r = TestRedis {
+                url: String::new(),
+                prefix,
+                port: crate::free_port(),
+                child: None,
+                dir: Some(dir),
+                _container: None,
+            };
             r.spawn(&bin);
             return r;
         }
@@ -48,7 +55,14 @@ impl TestRedis {
                 assert!(Instant::now() < deadline, "redis container not ready");
                 std::thread::sleep(Duration::from_millis(25));
             }
-            return TestRedis { url: format!("redis://127.0.0.1:{port}"), prefix, port, child: None, dir: None, _container: Some(c) };
+            return TestRedis {
+                url: format!("redis://127.0.0.1:{port}"),
+                prefix,
+                port,
+                child: None,
+                dir: None,
+                _container: Some(c),
+            };
         }
         panic!("no REDIS_URL, no redis-server binary (apt-get install redis-server) and no Docker engine");
     }
@@ -56,14 +70,28 @@ impl TestRedis {
     fn spawn(&mut self, bin: &PathBuf) {
         let dir = self.dir.as_ref().expect("local redis has a dir").path().to_path_buf();
         let mut cmd = Command::new(bin);
-        cmd.args(["--port", &self.port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
-            .arg("--dir")
-            .arg(&dir);
-        self.child = Some(Child::spawn("redis-server", cmd, &dir.join("redis.log"), None).expect("spawn redis-server"));
+        cmd.args([
+            "--port",
+            &self.port.to_string(),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ])
+        .arg("--dir")
+        .arg(&dir);
+        self.child = Some(
+            Child::spawn("redis-server", cmd, &dir.join("redis.log"), None).expect("spawn redis-server"),
+        );
         let deadline = Instant::now() + Duration::from_secs(20);
         while !ping(self.port) {
             if let Some(s) = self.child.as_mut().and_then(|c| c.try_wait()) {
-                panic!("redis-server exited: {s}: {}", std::fs::read_to_string(dir.join("redis.log")).unwrap_or_default());
+                panic!(
+                    "redis-server exited: {s}: {}",
+                    std::fs::read_to_string(dir.join("redis.log")).unwrap_or_default()
+                );
             }
             assert!(Instant::now() < deadline, "redis-server not ready");
             std::thread::sleep(Duration::from_millis(10));

@@ -42,7 +42,11 @@ fn matches(presented: Option<&str>, token: &Option<String>) -> bool {
 }
 
 /// Agent routes: the agent token (or the admin token, for operators' tools).
-pub async fn require_agent(State(state): State<AppState>, mut req: Request, next: Next) -> Result<Response, Error> {
+pub async fn require_agent(
+    State(state): State<AppState>,
+    mut req: Request,
+    next: Next,
+) -> Result<Response, Error> {
     let tokens = &state.auth;
     let presented = bearer(&req);
     let principal = if tokens.agent.is_none() {
@@ -59,7 +63,11 @@ pub async fn require_agent(State(state): State<AppState>, mut req: Request, next
 }
 
 /// Admin routes: only the admin token; an agent token is refused with 403.
-pub async fn require_admin(State(state): State<AppState>, mut req: Request, next: Next) -> Result<Response, Error> {
+pub async fn require_admin(
+    State(state): State<AppState>,
+    mut req: Request,
+    next: Next,
+) -> Result<Response, Error> {
     let tokens = &state.auth;
     let presented = bearer(&req);
     let principal = if tokens.admin.is_none() {

@@ -28,7 +28,9 @@ fn json_rejection(r: JsonRejection) -> Error {
         JsonRejection::JsonDataError(e) => {
             // axum's message carries serde_path_to_error's path: "want: invalid type ...".
             let text = e.body_text();
-            let detail = text.strip_prefix("Failed to deserialize the JSON body into the target type: ").unwrap_or(&text);
+            let detail = text
+                .strip_prefix("Failed to deserialize the JSON body into the target type: ")
+                .unwrap_or(&text);
             let field = detail.split(':').next().filter(|f| !f.contains(' ')).unwrap_or("body");
             Error::invalid(field, detail.to_string())
         }
@@ -48,7 +50,9 @@ impl<S: Send + Sync, T: DeserializeOwned + Send> FromRequestParts<S> for ApiPath
     async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Error> {
         match axum::extract::Path::<T>::from_request_parts(parts, state).await {
             Ok(axum::extract::Path(v)) => Ok(ApiPath(v)),
-            Err(PathRejection::FailedToDeserializePathParams(e)) => Err(Error::invalid("path", e.body_text())),
+            Err(PathRejection::FailedToDeserializePathParams(e)) => {
+                Err(Error::invalid("path", e.body_text()))
+            }
             Err(e) => Err(Error::invalid("path", e.body_text())),
         }
     }
@@ -63,7 +67,9 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequestParts<S> for ApiQuery<T> {
     async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Error> {
         match axum::extract::Query::<T>::from_request_parts(parts, state).await {
             Ok(axum::extract::Query(v)) => Ok(ApiQuery(v)),
-            Err(QueryRejection::FailedToDeserializeQueryString(e)) => Err(Error::invalid("query", e.body_text())),
+            Err(QueryRejection::FailedToDeserializeQueryString(e)) => {
+                Err(Error::invalid("query", e.body_text()))
+            }
             Err(e) => Err(Error::invalid("query", e.body_text())),
         }
     }

@@ -30,6 +30,10 @@ pub async fn track(State(state): State<AppState>, req: Request, next: Next) -> R
     let resp = next.run(req).await;
     let status = resp.status().as_u16().to_string();
     state.metrics.inc("allocator_http_requests_total", &[("route", &route), ("status", &status)]);
-    state.metrics.observe("allocator_http_request_seconds", &[("route", &route)], started.elapsed().as_secs_f64());
+    state.metrics.observe(
+        "allocator_http_request_seconds",
+        &[("route", &route)],
+        started.elapsed().as_secs_f64(),
+    );
     resp
 }
