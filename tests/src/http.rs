@@ -71,6 +71,12 @@ impl Http {
         Resp { status, headers, body }
     }
 
+    /// GET, returning only the status, `None` when nothing answered (for
+    /// readiness polls against a server that is still starting).
+    pub async fn get_status(&self, path: &str) -> Option<u16> {
+        self.client.get(format!("{}{path}", self.base)).send().await.ok().map(|r| r.status().as_u16())
+    }
+
     /// GET.
     pub async fn get(&self, path: &str) -> Resp {
         self.send(self.client.get(format!("{}{path}", self.base))).await
