@@ -171,15 +171,16 @@ async fn try_grant(state: &AppState, req: &GrantRequest) -> Result<Outcome> {
             current.next()
         }
     };
+    // The `granted` ledger event is appended by the lease insert itself.
     let row = grant_in_window(&mut tx, req, &policy, window, now).await?;
-    ledger::append(&mut tx, now, Kind::Granted, event_of(req, Some(row.lease_id), Some(row.tokens))).await?;
     tx.commit().await?;
     tracing::debug!(tenant = %req.tenant, resource = %req.resource, region = %req.region,
         lease_id = %row.lease_id, epoch = req.epoch, tokens = row.tokens, "lease granted");
     Ok(Outcome::Granted(row))
 }
 
-/// The pool part of the transaction: lock, share, insert, update.
+/// The pool part of the transaction: lock, share, then insert the lease,
+/// debit the pool and append the ledger event in one statement.
 async fn grant_in_window(
     conn: &mut PgConnection,
     req: &GrantRequest,
@@ -188,18 +189,6 @@ async fn grant_in_window(
     now: DateTime<Utc>,
 ) -> Result<LeaseRow> {
     let pool_key = (&req.tenant, &req.resource, window.start, window.secs);
-    sqlx::query(include_str!("sql/pool_ensure.sql"))
-        .bind(pool_key.0)
-        .bind(pool_key.1)
-        .bind(pool_key.2)
-        .bind(pool_key.3)
-        .bind(policy.limit_tokens)
-        .bind(policy.fallback_allowance())
-        .bind(now)
-        .execute(&mut *conn)
-        .await?;
-    // The UPDATE takes the row lock that serialises every grant of this pool
-    // and keeps the limit current (I9) in the same statement.
     let (granted, returned): (i64, i64) = sqlx::query_as(include_str!("sql/pool_lock.sql"))
         .bind(pool_key.0)
         .bind(pool_key.1)
@@ -207,6 +196,7 @@ async fn grant_in_window(
         .bind(pool_key.3)
         .bind(policy.limit_tokens)
         .bind(policy.fallback_allowance())
+        .bind(now)
         .fetch_one(&mut *conn)
         .await?;
     let (region_granted, region_returned): (i64, i64) =
@@ -274,16 +264,5 @@ async fn grant_in_window(
         .bind(retry_after_ms)
         .fetch_one(&mut *conn)
         .await?;
-    if tokens > 0 {
-        sqlx::query(include_str!("sql/pool_add_granted.sql"))
-            .bind(pool_key.0)
-            .bind(pool_key.1)
-            .bind(pool_key.2)
-            .bind(pool_key.3)
-            .bind(&req.region)
-            .bind(tokens)
-            .execute(&mut *conn)
-            .await?;
-    }
     Ok(row)
 }

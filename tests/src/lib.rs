@@ -14,6 +14,7 @@
 //! * [`http`]: a JSON client that returns status, headers and body.
 //! * [`wait`]: polling a condition with a deadline instead of sleeping.
 
+pub mod agent;
 pub mod app;
 pub mod fixtures;
 pub mod http;
