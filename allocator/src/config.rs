@@ -1,17 +1,8 @@
 //! Configuration: every flag is also an environment variable (DESIGN §5).
 
-use clap::{Parser, ValueEnum};
+use clap::Parser;
+pub use quota_shared::telemetry::LogFormat;
 use std::net::SocketAddr;
-
-/// Log output format.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Default)]
-pub enum LogFormat {
-    /// Human-readable lines.
-    #[default]
-    Text,
-    /// One JSON object per event.
-    Json,
-}
 
 /// The central allocator.
 #[derive(Debug, Clone, Parser)]

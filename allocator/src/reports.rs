@@ -98,11 +98,13 @@ async fn apply(state: &AppState, req: &ReportRequest, now: DateTime<Utc>) -> Res
             .bind(&req.report_id)
             .fetch_one(&mut *tx)
             .await?;
-        // The epoch may differ: a restarted agent resends its predecessor's
-        // outbox under its own epoch.
+        // The epoch and the agent may differ: a restarted agent, or another
+        // replica of the region draining an orphaned outbox, resends the
+        // report under its own identity. The counts must match.
         let strip = |mut v: serde_json::Value| {
             if let Some(o) = v.as_object_mut() {
                 o.remove("epoch");
+                o.remove("agent");
             }
             v
         };

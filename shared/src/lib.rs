@@ -8,6 +8,7 @@
 //! * [`bound`]: the overshoot bound of invariant I6.
 //! * [`clock`]: the one clock trait the services ask for "now".
 //! * [`prom`]: a small Prometheus text-format registry.
+//! * `telemetry` (feature `service`): logging set-up and the shutdown signal.
 //!
 //! Nothing here depends on axum, sqlx or redis, so the agent and the allocator
 //! can share it without sharing a runtime.
@@ -16,5 +17,7 @@ pub mod bound;
 pub mod clock;
 pub mod ids;
 pub mod prom;
+#[cfg(feature = "service")]
+pub mod telemetry;
 pub mod window;
 pub mod wire;

@@ -14,9 +14,15 @@ async fn main() {
     eprintln!("starting an embedded PostgreSQL ...");
     let db = quota_tests::pg::TestDb::start().await;
     let pool = allocator::connect(&db.url, 16).await.unwrap_or_else(|e| panic!("{e}"));
-    let listener = tokio::net::TcpListener::bind(&listen).await.unwrap_or_else(|e| panic!("cannot listen on {listen}: {e}"));
+    let listener = tokio::net::TcpListener::bind(&listen)
+        .await
+        .unwrap_or_else(|e| panic!("cannot listen on {listen}: {e}"));
     let base = format!("http://{}", listener.local_addr().expect("addr"));
-    let server = tokio::spawn(allocator::run(listener, allocator::AppState::new(pool), allocator::telemetry::shutdown_signal()));
+    let server = tokio::spawn(allocator::run(
+        listener,
+        allocator::AppState::new(pool),
+        allocator::telemetry::shutdown_signal(),
+    ));
     let policy = json!({"limit": 1000, "window_secs": 10, "fallback_per_region": 100});
     let r = Http::new(&base).put("/v1/policies/atlas/read", &policy).await;
     println!("allocator at {base} (PostgreSQL at {})", db.url);

@@ -53,7 +53,17 @@ async fn i1_four_allocators_500_concurrent_grants_never_oversubscribe_the_pool()
                 want,
                 50.0,
             );
-            let r = grant(&h, &body).await.expect(200);
+            // Like an agent, retry the same key on 503 (pool or lock wait
+            // timed out under this load): a retry is idempotent (I3).
+            let mut r = grant(&h, &body).await;
+            for attempt in 1..=40 {
+                if r.status != 503 {
+                    break;
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(25 * attempt.min(8))).await;
+                r = grant(&h, &body).await;
+            }
+            let r = r.expect(200);
             let tokens = r.body["tokens"].as_i64().unwrap();
             assert!(tokens >= 0 && tokens <= want, "{}", r.body);
             tokens

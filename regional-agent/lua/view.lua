@@ -1,0 +1,22 @@
+-- view.lua: what the renewer needs to decide (DESIGN §4), and the sweep
+-- that retires expired leases into the outbox. Prepended with prelude.lua.
+--
+-- KEYS[1]  P..'inc'
+-- ARGV[1]  P; ARGV[2] known token; ARGV[3] fresh token; ARGV[4] fallback
+--          window start; ARGV[5] allowance; ARGV[6] agent; ARGV[7] epoch;
+--          ARGV[8] counters ttl (ms)
+--
+-- Returns {code, token, ws|-1, available, life_ms, pending, wait_ms,
+--          demand_total, exhausted_pttl}; code is 'ok' or 'lost' (then the
+--          third element is the loss flag).
+--
+-- Why one script: the scan retires leases and writes release entries; a
+-- lease must be retired exactly once even when replicas sweep together.
+local P = ARGV[1]
+local token, lost = incarnation(P, ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5]), ARGV[6], tonumber(ARGV[7]), tonumber(ARGV[8]))
+if lost > 0 then
+  return {'lost', token, lost}
+end
+local ws, avail, _, _, life, pending, wait = scan(P)
+local dem = tonumber(redis.call('GET', P .. 'dem') or '0')
+return {'ok', token, tonumber(ws or '-1'), avail, life, pending, wait, dem, redis.call('PTTL', P .. 'exh')}

@@ -1,0 +1,117 @@
+//! The agent's one error enum and its mapping to status, JSON code and
+//! headers (DESIGN §5): 400 malformed JSON, 413 body too large, 422 invalid
+//! value naming the field, 404 unknown quota, 429 quota exhausted, 503
+//! allocator unreachable or store unavailable. 429 and 503 carry a
+//! `Retry-After` in whole seconds, at least 1, jittered.
+
+use axum::http::{HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use rand::Rng;
+use serde_json::json;
+
+/// `Result` with the agent's error.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything an acquire can be refused with.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The body is not JSON.
+    #[error("{0}")]
+    MalformedJson(String),
+    /// A field has an invalid value.
+    #[error("{field}: {message}")]
+    InvalidField { field: String, message: String },
+    /// Body over 64 KiB.
+    #[error("request body is larger than 64 KiB")]
+    PayloadTooLarge,
+    /// The allocator has no policy for the quota.
+    #[error("no policy for quota {0}")]
+    UnknownQuota(String),
+    /// The quota's pool is exhausted for the window.
+    #[error("quota exhausted for this window")]
+    Exhausted { retry_after_ms: i64 },
+    /// The agent cannot reach the allocator and may not admit on its own.
+    #[error("the allocator is unreachable and the quota's fallback allowance does not admit this request")]
+    AllocatorUnreachable,
+    /// Redis cannot be reached.
+    #[error("the region's store is unavailable")]
+    StoreUnavailable,
+    /// The agent tracks as many quotas as it may.
+    #[error("this agent tracks the most quotas it may")]
+    TooManyQuotas,
+    /// No such route.
+    #[error("no route {0}")]
+    NoRoute(String),
+}
+
+impl Error {
+    /// Shorthand for [`Error::InvalidField`].
+    pub fn invalid(field: impl Into<String>, message: impl Into<String>) -> Self {
+        Error::InvalidField { field: field.into(), message: message.into() }
+    }
+
+    /// The status code.
+    pub fn status_code(&self) -> StatusCode {
+        match self {
+            Error::MalformedJson(_) => StatusCode::BAD_REQUEST,
+            Error::InvalidField { .. } => StatusCode::UNPROCESSABLE_ENTITY,
+            Error::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            Error::UnknownQuota(_) | Error::NoRoute(_) => StatusCode::NOT_FOUND,
+            Error::Exhausted { .. } => StatusCode::TOO_MANY_REQUESTS,
+            Error::AllocatorUnreachable | Error::StoreUnavailable | Error::TooManyQuotas => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
+        }
+    }
+
+    /// The JSON `error` code.
+    pub fn code(&self) -> &'static str {
+        match self {
+            Error::MalformedJson(_) => "malformed_json",
+            Error::InvalidField { .. } => "invalid_field",
+            Error::PayloadTooLarge => "payload_too_large",
+            Error::UnknownQuota(_) => "unknown_quota",
+            Error::Exhausted { .. } => "quota_exhausted",
+            Error::AllocatorUnreachable => "allocator_unreachable",
+            Error::StoreUnavailable => "store_unavailable",
+            Error::TooManyQuotas => "too_many_quotas",
+            Error::NoRoute(_) => "not_found",
+        }
+    }
+
+    /// `Retry-After` seconds for 429 and 503.
+    pub fn retry_after_s(&self) -> Option<i64> {
+        match self {
+            Error::Exhausted { retry_after_ms } => Some(retry_after_secs(*retry_after_ms)),
+            Error::AllocatorUnreachable | Error::StoreUnavailable | Error::TooManyQuotas => {
+                Some(retry_after_secs(1000))
+            }
+            _ => None,
+        }
+    }
+}
+
+/// Whole seconds, at least 1, plus up to one second of jitter so clients
+/// told to come back do not all come back at the same instant.
+pub fn retry_after_secs(ms: i64) -> i64 {
+    let base = ((ms.max(1) + 999) / 1000).max(1);
+    base + rand::rng().random_range(0..=1)
+}
+
+impl IntoResponse for Error {
+    fn into_response(self) -> Response {
+        let status = self.status_code();
+        let retry = self.retry_after_s();
+        let mut body = json!({"error": self.code(), "message": self.to_string()});
+        if let Error::Exhausted { .. } = self {
+            body["allowed"] = json!(false);
+            body["retry_after_s"] = json!(retry);
+        }
+        let mut resp = (status, Json(body)).into_response();
+        if let Some(s) = retry {
+            resp.headers_mut().insert("retry-after", HeaderValue::from(s));
+        }
+        resp
+    }
+}

@@ -1,0 +1,98 @@
+//! `/healthz` (shallow), `/readyz` (Redis reachable), `/metrics`
+//! (Prometheus text) and `/v1/status` (per quota: lease tokens left, their
+//! remaining life, demand, mode, allocator reachability, epoch).
+
+use crate::AppState;
+use axum::extract::State;
+use axum::http::{header, StatusCode};
+use axum::response::IntoResponse;
+use axum::routing::get;
+use axum::{Json, Router};
+use quota_shared::prom::Registry;
+use quota_shared::wire::FailMode;
+use serde_json::json;
+
+/// Routes of this module.
+pub fn router() -> Router<AppState> {
+    Router::new()
+        .route("/healthz", get(|| async { Json(json!({"status": "ok"})) }))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
+        .route("/v1/status", get(status))
+}
+
+/// Declares the agent's metric families.
+pub fn describe(m: &Registry) {
+    m.describe(
+        "agent_acquire_total",
+        "counter",
+        "Acquire answers by outcome (lease, fallback, or the error code)",
+    );
+    m.describe("agent_acquire_seconds", "histogram", "Acquire latency");
+    m.describe("agent_lease_tokens", "gauge", "Tokens left in the region's spendable leases, per quota");
+    m.describe("agent_allocator_reachable", "gauge", "1 while the allocator answers");
+    m.describe("agent_fallback_admits_total", "counter", "Admits from the fallback allowance");
+    m.describe("agent_renewals_total", "counter", "Grant requests by result");
+    m.describe("agent_outbox_depth", "gauge", "Outbox entries waiting for the allocator");
+    m.describe("agent_outbox_sent_total", "counter", "Outbox entries the allocator accepted");
+    m.describe("agent_outbox_dropped_total", "counter", "Outbox entries the allocator refused for good");
+    m.describe("agent_epoch", "gauge", "The agent's current epoch");
+}
+
+async fn readyz(State(app): State<AppState>) -> impl IntoResponse {
+    if app.store.ping().await {
+        (StatusCode::OK, Json(json!({"status": "ready"})))
+    } else {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({"error": "store_unavailable", "message": "Redis does not answer"})),
+        )
+    }
+}
+
+async fn metrics(State(app): State<AppState>) -> impl IntoResponse {
+    app.metrics.set("agent_allocator_reachable", &[], if app.allocator_reachable() { 1.0 } else { 0.0 });
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], app.metrics.render())
+}
+
+async fn status(State(app): State<AppState>) -> impl IntoResponse {
+    let reachable = app.allocator_reachable();
+    let quotas: Vec<_> = app
+        .quotas
+        .all()
+        .iter()
+        .map(|q| {
+            let v = *q.view.lock().unwrap();
+            let p = q.policy();
+            let age = v.at.map(|t| t.elapsed().as_millis() as i64).unwrap_or(0);
+            let mode = match (reachable, p.map(|p| p.fail_mode)) {
+                (false, Some(FailMode::Strict)) => "strict",
+                (false, _) => "fallback",
+                (true, _) if v.exhausted_ms > 0 => "exhausted",
+                _ => "leased",
+            };
+            json!({
+                "tenant": q.tenant,
+                "resource": q.resource,
+                "lease_tokens": v.available,
+                "expires_in_ms": if v.life_ms >= 0 { (v.life_ms - age).max(0) } else { 0 },
+                "pending_next_window": v.pending,
+                "demand_per_sec": q.demand.lock().unwrap().rate,
+                "mode": mode,
+                "allocator_reachable": reachable,
+                "epoch": app.ident.epoch(),
+                "policy": p.map(|p| json!({
+                    "limit": p.limit, "window_secs": p.window_secs, "fail_mode": p.fail_mode,
+                    "fallback_allowance": p.fallback_allowance, "version": p.version,
+                })),
+            })
+        })
+        .collect();
+    Json(json!({
+        "region": app.settings.region,
+        "agent": app.settings.agent,
+        "epoch": app.ident.epoch(),
+        "allocator_reachable": reachable,
+        "quotas": quotas,
+    }))
+}

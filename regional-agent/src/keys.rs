@@ -1,0 +1,64 @@
+//! The one audited function family that names Redis keys (DESIGN §5
+//! Security). Every key of a quota starts with `q:{<tenant>/<resource>}:`
+//! where both parts are length-prefixed (`q:{5:atlas/4:read}:`), so the
+//! hash tag puts all of a quota's keys in one Redis Cluster slot (each
+//! script touches one slot) and two quotas can never share a key, whatever
+//! their names. Lua scripts receive the quota prefix from here and only
+//! append fixed suffixes and ids to it.
+
+/// Key names of one agent's Redis namespace.
+#[derive(Debug, Clone)]
+pub struct Keys {
+    ns: String,
+}
+
+fn lp(s: &str) -> String {
+    format!("{}:{s}", s.len())
+}
+
+impl Keys {
+    /// Keys under the namespace prefix `ns` (checked brace-free by the config).
+    pub fn new(ns: &str) -> Keys {
+        debug_assert!(!ns.contains(['{', '}']));
+        Keys { ns: ns.to_string() }
+    }
+
+    /// The prefix of every key of one quota; ends with `:`.
+    pub fn quota(&self, tenant: &str, resource: &str) -> String {
+        format!("{}q:{{{}/{}}}:", self.ns, lp(tenant), lp(resource))
+    }
+
+    /// The set of quotas an agent has touched (so a restarted agent finds
+    /// its outboxes and old leases).
+    pub fn agent_quotas(&self, region: &str, agent: &str) -> String {
+        format!("{}a:{{{}/{}}}:quotas", self.ns, lp(region), lp(agent))
+    }
+
+    /// The region's incarnation key: missing at start means the region's
+    /// Redis is new or lost its data while no agent watched.
+    pub fn region_incarnation(&self, region: &str) -> String {
+        format!("{}r:{{{}}}:inc", self.ns, lp(region))
+    }
+
+    /// The suffix a request id takes after the quota prefix.
+    pub fn request_id_suffix(request_id: &str) -> String {
+        lp(request_id)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quota_keys_are_hash_tagged_and_unambiguous() {
+        let k = Keys::new("");
+        assert_eq!(k.quota("atlas", "read"), "q:{5:atlas/4:read}:");
+        assert_ne!(k.quota("ab", "c"), k.quota("a", "bc"));
+        assert_ne!(k.quota("a.b", "c"), k.quota("a", "b.c"));
+        let ns = Keys::new("t1:");
+        assert_eq!(ns.quota("a", "b"), "t1:q:{1:a/1:b}:");
+        assert_eq!(ns.agent_quotas("eu", "eu-1"), "t1:a:{2:eu/4:eu-1}:quotas");
+        assert_eq!(Keys::request_id_suffix("r-1"), "3:r-1");
+    }
+}

@@ -1,0 +1,246 @@
+//! What the agent knows about each quota: the policy learnt from grant
+//! answers (also cached in Redis for the other replicas and for restarts
+//! during a partition), the incarnation token of the quota's Redis state,
+//! measured demand and the renewer's last view. The map is bounded by
+//! [`MAX_QUOTAS`]; a quota beyond it is refused rather than growing memory.
+
+use quota_shared::wire::{FailMode, GrantResponse};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+use tokio::sync::Notify;
+
+/// Most quotas one agent tracks.
+pub const MAX_QUOTAS: usize = 4096;
+
+/// A quota's policy as the grant answers show it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PolicyInfo {
+    pub limit: i64,
+    pub window_secs: i64,
+    pub fail_mode: FailMode,
+    pub fallback_allowance: i64,
+    pub version: i64,
+}
+
+impl PolicyInfo {
+    /// The policy a grant answer carries.
+    pub fn from_grant(g: &GrantResponse) -> PolicyInfo {
+        PolicyInfo {
+            limit: g.pool.limit,
+            window_secs: (g.window_end - g.window_start).num_seconds().max(1),
+            fail_mode: g.fail_mode,
+            fallback_allowance: g.fallback_allowance,
+            version: g.policy_version,
+        }
+    }
+
+    /// Fields of the Redis `pol` hash.
+    pub fn to_fields(self) -> Vec<(&'static str, String)> {
+        vec![
+            ("limit", self.limit.to_string()),
+            ("window_secs", self.window_secs.to_string()),
+            ("fail_mode", self.fail_mode.as_str().to_string()),
+            ("fallback_allowance", self.fallback_allowance.to_string()),
+            ("version", self.version.to_string()),
+        ]
+    }
+
+    /// Reads the Redis `pol` hash.
+    pub fn from_fields(m: &HashMap<String, String>) -> Option<PolicyInfo> {
+        let int = |k: &str| m.get(k).and_then(|v| v.parse::<i64>().ok());
+        let p = PolicyInfo {
+            limit: int("limit")?,
+            window_secs: int("window_secs")?,
+            fail_mode: FailMode::parse(m.get("fail_mode")?)?,
+            fallback_allowance: int("fallback_allowance")?,
+            version: int("version")?,
+        };
+        quota_shared::window::valid_window_secs(p.window_secs).then_some(p)
+    }
+}
+
+/// The renewer's last look at a quota's region balance.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct View {
+    /// Window start of the spendable leases, or -1.
+    pub ws: i64,
+    /// Tokens left in spendable leases.
+    pub available: i64,
+    /// Smallest remaining life of those leases (ms), -1 without lease.
+    pub life_ms: i64,
+    /// Tokens of next-window leases not yet spendable.
+    pub pending: i64,
+    /// Remaining life of the "pool exhausted" marker (ms), ≤ 0 when none.
+    pub exhausted_ms: i64,
+    /// When the view was taken.
+    pub at: Option<Instant>,
+}
+
+/// Demand measurement from the region-wide demand counter.
+#[derive(Debug, Default)]
+pub struct Demand {
+    last_total: Option<(i64, Instant)>,
+    /// Tokens per second, exponentially weighted (time constant 1 s).
+    pub rate: f64,
+}
+
+impl Demand {
+    /// Folds in a new reading of the cumulative counter.
+    pub fn sample(&mut self, total: i64, at: Instant) {
+        if let Some((prev, t)) = self.last_total {
+            let dt = at.duration_since(t).as_secs_f64();
+            if dt >= 0.02 {
+                let inst = ((total - prev).max(0)) as f64 / dt;
+                let alpha = 1.0 - (-dt).exp();
+                self.rate += alpha * (inst - self.rate);
+                // A burst should be seen at once, a lull fade smoothly.
+                if inst > self.rate {
+                    self.rate = self.rate.max(inst * 0.5);
+                }
+                self.last_total = Some((total, at));
+            }
+        } else {
+            self.last_total = Some((total, at));
+        }
+    }
+}
+
+/// Renewal bookkeeping of one quota.
+#[derive(Debug, Default)]
+pub struct RenewState {
+    /// Consecutive failed renewals, for the backoff.
+    pub failures: u32,
+    /// No renewal before this instant (backoff).
+    pub not_before: Option<Instant>,
+    /// The next window (start) already prefetched.
+    pub prefetched: Option<i64>,
+    /// No `"next"` request before this instant (the allocator said too early).
+    pub next_not_before: Option<Instant>,
+    /// Smoothed grant round trip, ms.
+    pub rtt_ms: f64,
+}
+
+/// One quota.
+pub struct Quota {
+    pub tenant: String,
+    pub resource: String,
+    /// Key prefix from [`crate::keys::Keys::quota`].
+    pub prefix: String,
+    /// Incarnation token of the quota's Redis state ('' or '?' before first touch).
+    pub token: Mutex<String>,
+    pub policy: Mutex<Option<PolicyInfo>>,
+    pub view: Mutex<View>,
+    pub demand: Mutex<Demand>,
+    pub renew: Mutex<RenewState>,
+    /// Set while a request waits for a renewal.
+    pub waiting: AtomicBool,
+    /// The allocator answered 404 for this quota; until then answer 404.
+    pub unknown_until: Mutex<Option<Instant>>,
+    pub last_used: Mutex<Instant>,
+    /// Request path → renewer.
+    pub wake: Notify,
+    /// Renewer → waiting requests.
+    pub renewed: Notify,
+}
+
+impl Quota {
+    /// The policy, if known.
+    pub fn policy(&self) -> Option<PolicyInfo> {
+        *self.policy.lock().unwrap()
+    }
+
+    /// The incarnation token to send.
+    pub fn token(&self) -> String {
+        self.token.lock().unwrap().clone()
+    }
+
+    /// Whether the allocator recently said the quota does not exist.
+    pub fn unknown(&self) -> bool {
+        self.unknown_until.lock().unwrap().is_some_and(|t| Instant::now() < t)
+    }
+}
+
+/// The bounded map of quotas.
+#[derive(Default)]
+pub struct Quotas {
+    map: Mutex<HashMap<(String, String), Arc<Quota>>>,
+}
+
+impl Quotas {
+    /// The quota, and whether it was created now; `None` when the map is full.
+    pub fn get_or_create(
+        &self,
+        tenant: &str,
+        resource: &str,
+        prefix: impl FnOnce() -> String,
+        first_token: &str,
+    ) -> Option<(Arc<Quota>, bool)> {
+        let mut m = self.map.lock().unwrap();
+        if let Some(q) = m.get(&(tenant.to_string(), resource.to_string())) {
+            return Some((q.clone(), false));
+        }
+        if m.len() >= MAX_QUOTAS {
+            return None;
+        }
+        let q = Arc::new(Quota {
+            tenant: tenant.to_string(),
+            resource: resource.to_string(),
+            prefix: prefix(),
+            token: Mutex::new(first_token.to_string()),
+            policy: Mutex::new(None),
+            view: Mutex::new(View { ws: -1, life_ms: -1, ..Default::default() }),
+            demand: Mutex::new(Demand::default()),
+            renew: Mutex::new(RenewState::default()),
+            waiting: AtomicBool::new(false),
+            unknown_until: Mutex::new(None),
+            last_used: Mutex::new(Instant::now()),
+            wake: Notify::new(),
+            renewed: Notify::new(),
+        });
+        m.insert((tenant.to_string(), resource.to_string()), q.clone());
+        Some((q, true))
+    }
+
+    /// Every quota.
+    pub fn all(&self) -> Vec<Arc<Quota>> {
+        let mut v: Vec<_> = self.map.lock().unwrap().values().cloned().collect();
+        v.sort_by(|a, b| (&a.tenant, &a.resource).cmp(&(&b.tenant, &b.resource)));
+        v
+    }
+}
+
+/// Marks a quota as waited on (the renewer then renews even without measured demand).
+pub fn set_waiting(q: &Quota) {
+    q.waiting.store(true, Ordering::SeqCst);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn demand_follows_a_steady_rate() {
+        let mut d = Demand::default();
+        let t0 = Instant::now();
+        for i in 0..=50 {
+            d.sample(i * 10, t0 + Duration::from_millis(i as u64 * 100));
+        }
+        assert!((d.rate - 100.0).abs() < 5.0, "{}", d.rate);
+    }
+
+    #[test]
+    fn policy_round_trips_through_redis_fields() {
+        let p = PolicyInfo {
+            limit: 10,
+            window_secs: 60,
+            fail_mode: FailMode::Strict,
+            fallback_allowance: 0,
+            version: 3,
+        };
+        let m: HashMap<String, String> = p.to_fields().into_iter().map(|(k, v)| (k.to_string(), v)).collect();
+        assert_eq!(PolicyInfo::from_fields(&m), Some(p));
+    }
+}

@@ -1,0 +1,386 @@
+//! The renewer (DESIGN §4): one background task per quota that renews ahead
+//! of need, in proportion to region-wide demand, and prefetches the next
+//! window's lease near the boundary. A Redis lock with expiry lets one
+//! replica at a time renew a quota; the others see the credited lease in
+//! the shared balance.
+//!
+//! Crediting (`lua/credit.lua`) is idempotent by lease id and refuses
+//! leases of an epoch below the agent's fence (I4, I5). Deadlines are
+//! relative (I2): a lease lives `expires_in_ms` from the instant the grant
+//! request was *sent*, and a next-window lease opens `window_start −
+//! allocator_now` after the instant the answer *arrived*, where
+//! `allocator_now = expires_at − expires_in_ms` is read from the answer
+//! itself, so only the allocator's clock is ever subtracted from itself.
+
+use crate::breaker::backoff;
+use crate::client::CallError;
+use crate::quotas::{PolicyInfo, Quota, View};
+use crate::spend::COUNTER_TTL_MS;
+use crate::store::{Reply, StoreError, CREDIT, UNLOCK, VIEW};
+use crate::AppState;
+use quota_shared::window::Window;
+use quota_shared::wire::{GrantRequest, GrantResponse, WindowSel};
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Taken off every lease's life for the Redis round trip of the credit.
+const SAFETY_MS: i64 = 5;
+/// A quota unused this long is looked at once a second only.
+const IDLE_AFTER: Duration = Duration::from_secs(30);
+
+/// Reads the policy other replicas cached in Redis.
+pub async fn load_policy(app: &AppState, q: &Quota) -> Option<PolicyInfo> {
+    let m: HashMap<String, String> =
+        app.store.cmd(redis::cmd("HGETALL").arg(format!("{}pol", q.prefix))).await.ok()?;
+    let p = PolicyInfo::from_fields(&m)?;
+    let mut cur = q.policy.lock().unwrap();
+    if cur.is_none_or(|c| c.version < p.version) {
+        *cur = Some(p);
+    }
+    *cur
+}
+
+/// The renew task of one quota.
+pub async fn run(app: AppState, q: Arc<Quota>) {
+    let registry = app.keys.agent_quotas(&app.settings.region, &app.settings.agent);
+    let member = format!("{}/{}", q.tenant, q.resource);
+    let mut registered = false;
+    loop {
+        if !registered {
+            registered = app.store.cmd::<i64>(redis::cmd("SADD").arg(&registry).arg(&member)).await.is_ok();
+        }
+        if let Err(e) = renew_once(&app, &q).await {
+            tracing::debug!(tenant = %q.tenant, resource = %q.resource, error = %e, "renewal round failed");
+        }
+        let idle = q.last_used.lock().unwrap().elapsed() > IDLE_AFTER;
+        let tick = if q.waiting.load(Ordering::SeqCst) {
+            Duration::from_millis(10)
+        } else if idle {
+            Duration::from_secs(1)
+        } else {
+            Duration::from_millis(50)
+        };
+        tokio::select! {
+            _ = app.cancel.cancelled() => return,
+            _ = q.wake.notified() => {},
+            _ = tokio::time::sleep(tick) => {},
+        }
+    }
+}
+
+/// Runs the view script: sweeps expired leases, reads balance and demand.
+async fn view(app: &AppState, q: &Quota) -> Result<Option<(View, i64)>, StoreError> {
+    let p = q.policy();
+    let now = app.clock.now_utc();
+    let (fb_ws, allowance) =
+        p.map(|p| (Window::containing(now, p.window_secs).start, p.fallback_allowance)).unwrap_or((0, 0));
+    let mut inv = VIEW.prepare_invoke();
+    inv.key(format!("{}inc", q.prefix))
+        .arg(&q.prefix)
+        .arg(q.token())
+        .arg(uuid::Uuid::new_v4().simple().to_string())
+        .arg(fb_ws)
+        .arg(allowance)
+        .arg(&app.settings.agent)
+        .arg(app.ident.epoch())
+        .arg(COUNTER_TTL_MS);
+    let r: Reply = app.store.eval(&inv).await?;
+    let token = r.str(1);
+    if !token.is_empty() {
+        *q.token.lock().unwrap() = token;
+    }
+    if r.str(0) == "lost" {
+        if r.int(2) == 2 {
+            tracing::warn!(tenant = %q.tenant, resource = %q.resource, "Redis state of the quota was lost; re-registering");
+            app.ident.request_register();
+        }
+        return Ok(None);
+    }
+    let v = View {
+        ws: r.int(2),
+        available: r.int(3),
+        life_ms: r.int(4),
+        pending: r.int(5),
+        exhausted_ms: r.int(8),
+        at: Some(Instant::now()),
+    };
+    Ok(Some((v, r.int(7))))
+}
+
+async fn renew_once(app: &AppState, q: &Arc<Quota>) -> Result<(), StoreError> {
+    let Some((v, demand_total)) = view(app, q).await? else { return Ok(()) };
+    *q.view.lock().unwrap() = v;
+    let rate = {
+        let mut d = q.demand.lock().unwrap();
+        d.sample(demand_total, Instant::now());
+        d.rate
+    };
+    let label = format!("{}/{}", q.tenant, q.resource);
+    app.metrics.set("agent_lease_tokens", &[("quota", &label)], v.available as f64);
+    let waiting = q.waiting.load(Ordering::SeqCst);
+    if waiting && v.available > 0 {
+        q.waiting.store(false, Ordering::SeqCst);
+        q.renewed.notify_waiters();
+    }
+    let active = rate > 0.05 || waiting;
+    if !active {
+        return Ok(());
+    }
+    if app.ident.epoch() == 0 {
+        // Not registered yet: wait briefly for it rather than a whole tick.
+        let n = app.ident.registered.notified();
+        let _ = tokio::time::timeout(app.settings.allocator_timeout, n).await;
+        if app.ident.epoch() == 0 {
+            if waiting {
+                q.renewed.notify_waiters();
+            }
+            return Ok(());
+        }
+    }
+    let (not_before, rtt_ms, prefetched, next_not_before) = {
+        let r = q.renew.lock().unwrap();
+        (r.not_before, r.rtt_ms, r.prefetched, r.next_not_before)
+    };
+    let now_i = Instant::now();
+    if not_before.is_some_and(|t| now_i < t) || !app.alloc.breaker.allow() {
+        if waiting {
+            q.renewed.notify_waiters();
+        }
+        return Ok(());
+    }
+    let Some(p) = q.policy() else {
+        // Learning the policy: one grant for the current window.
+        let want = rate.ceil().max(1.0) as i64;
+        with_lock(app, q, |app, q| async move { grant(&app, &q, WindowSel::Current, want, rate).await })
+            .await?;
+        return Ok(());
+    };
+    let now = app.clock.now_utc();
+    let win = Window::containing(now, p.window_secs);
+    let to_end_ms = win.ms_until_end(now);
+    let horizon_ms = app.settings.renew_ahead.as_millis() as f64 + 3.0 * rtt_ms;
+    let need_tokens = rate * horizon_ms / 1000.0 + 1.0;
+    let ends_with_window = v.life_ms >= 0 && v.life_ms + 150 >= to_end_ms;
+    let short_life = v.life_ms >= 0 && (v.life_ms as f64) < horizon_ms && !ends_with_window;
+    let want_current = v.exhausted_ms <= 0
+        && to_end_ms > 50
+        && ((v.available as f64) < need_tokens || short_life || (waiting && v.available == 0));
+    let window_ms = p.window_secs * 1000;
+    let lead_ms = (2.0 * horizon_ms).max(500.0).min(window_ms as f64 / 2.0);
+    let want_next = rate > 0.05
+        && (to_end_ms as f64) <= lead_ms
+        && v.pending == 0
+        && prefetched != Some(win.next().start)
+        && next_not_before.is_none_or(|t| now_i >= t);
+    if !want_current && !want_next {
+        return Ok(());
+    }
+    let chunk_s = (2.0 * horizon_ms / 1000.0).max(1.0);
+    let floor = (p.limit / 100).max(1);
+    let mut want_cur = ((rate * chunk_s).ceil() as i64).max(floor);
+    // Never ask for more than the rest of the window will use: parked tokens
+    // are stranded at the boundary, which starves other regions (skew).
+    let rest = (rate * (to_end_ms as f64 / 1000.0) * 1.2).ceil() as i64 + 1;
+    want_cur = want_cur.min(rest.max(floor)).min(p.limit).max(1);
+    let want_nxt = ((rate * chunk_s).ceil() as i64).max(floor).min(p.limit).max(1);
+    with_lock(app, q, move |app, q| async move {
+        if want_current {
+            grant(&app, &q, WindowSel::Current, want_cur, rate).await;
+        }
+        if want_next {
+            grant(&app, &q, WindowSel::Next, want_nxt, rate).await;
+        }
+    })
+    .await?;
+    Ok(())
+}
+
+/// Runs `f` while holding the quota's renew lock; skips it when another
+/// replica holds the lock (it is renewing the shared balance).
+async fn with_lock<F, Fut>(app: &AppState, q: &Arc<Quota>, f: F) -> Result<bool, StoreError>
+where
+    F: FnOnce(AppState, Arc<Quota>) -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    let lock = format!("{}lock", q.prefix);
+    let holder = format!("{}:{}", app.settings.agent, uuid::Uuid::new_v4().simple());
+    let ttl = (app.settings.allocator_timeout * 3).as_millis() as u64 + 500;
+    let got: Option<String> =
+        app.store.cmd(redis::cmd("SET").arg(&lock).arg(&holder).arg("NX").arg("PX").arg(ttl)).await?;
+    if got.is_none() {
+        return Ok(false);
+    }
+    f(app.clone(), q.clone()).await;
+    let mut inv = UNLOCK.prepare_invoke();
+    inv.key(&lock).arg(&holder);
+    let _: Result<i64, _> = app.store.eval(&inv).await;
+    Ok(true)
+}
+
+/// One grant request and what follows from its answer.
+async fn grant(app: &AppState, q: &Arc<Quota>, sel: WindowSel, want: i64, rate: f64) {
+    let (epoch, seq) = app.ident.next_seq();
+    if epoch == 0 {
+        return;
+    }
+    let req = GrantRequest {
+        tenant: q.tenant.clone(),
+        resource: q.resource.clone(),
+        region: app.settings.region.clone(),
+        agent: app.settings.agent.clone(),
+        epoch,
+        seq,
+        want,
+        demand_per_sec: if rate.is_finite() { rate.max(0.0) } else { 0.0 },
+        window: Some(sel),
+    };
+    let sent = Instant::now();
+    let result = app.alloc.grant(&req).await;
+    let arrived = Instant::now();
+    let outcome = match result {
+        Ok(g) => {
+            {
+                let mut r = q.renew.lock().unwrap();
+                let rtt = arrived.duration_since(sent).as_secs_f64() * 1000.0;
+                r.rtt_ms = if r.rtt_ms == 0.0 { rtt } else { r.rtt_ms * 0.8 + rtt * 0.2 };
+                r.failures = 0;
+                r.not_before = None;
+                if sel == WindowSel::Next {
+                    r.prefetched = Some(g.window_start.timestamp());
+                }
+            }
+            learn_policy(app, q, &g).await;
+            credit(app, q, sel, &g, sent, arrived).await
+        }
+        Err(CallError::Refused { status: 404, .. }) => {
+            *q.unknown_until.lock().unwrap() = Some(Instant::now() + Duration::from_secs(2));
+            "unknown_quota"
+        }
+        Err(e) if e.code() == Some("stale_epoch") => {
+            app.ident.request_register();
+            "stale_epoch"
+        }
+        Err(CallError::Refused { status, code, message }) => {
+            if sel == WindowSel::Next {
+                // Too early for "next" (the window's lease_ttl is shorter than our lead).
+                q.renew.lock().unwrap().next_not_before = Some(Instant::now() + Duration::from_millis(250));
+            } else {
+                let mut r = q.renew.lock().unwrap();
+                r.failures += 1;
+                r.not_before = Some(
+                    Instant::now() + backoff(r.failures, Duration::from_millis(100), Duration::from_secs(5)),
+                );
+            }
+            tracing::warn!(tenant = %q.tenant, resource = %q.resource, status, code, message, "grant refused");
+            "refused"
+        }
+        Err(CallError::Unreachable(why)) => {
+            let mut r = q.renew.lock().unwrap();
+            r.failures += 1;
+            r.not_before = Some(
+                Instant::now() + backoff(r.failures, Duration::from_millis(100), Duration::from_secs(5)),
+            );
+            tracing::debug!(tenant = %q.tenant, resource = %q.resource, why, "grant failed: allocator unreachable");
+            "unreachable"
+        }
+    };
+    app.metrics.inc("agent_renewals_total", &[("result", outcome)]);
+    app.metrics.set("agent_allocator_reachable", &[], if app.allocator_reachable() { 1.0 } else { 0.0 });
+    q.waiting.store(false, Ordering::SeqCst);
+    q.renewed.notify_waiters();
+}
+
+/// Keeps the policy the answer shows, locally and in Redis for the others.
+async fn learn_policy(app: &AppState, q: &Quota, g: &GrantResponse) {
+    let p = PolicyInfo::from_grant(g);
+    let changed = {
+        let mut cur = q.policy.lock().unwrap();
+        let changed = cur.is_none_or(|c| c != p && c.version <= p.version);
+        if changed {
+            *cur = Some(p);
+        }
+        changed
+    };
+    if changed {
+        let mut cmd = redis::cmd("HSET");
+        cmd.arg(format!("{}pol", q.prefix));
+        for (k, v) in p.to_fields() {
+            cmd.arg(k).arg(v);
+        }
+        let _: Result<i64, _> = app.store.cmd(&cmd).await;
+    }
+}
+
+/// Credits a granted lease into the region's balance (or marks the pool
+/// exhausted when it carried no tokens).
+async fn credit(
+    app: &AppState,
+    q: &Quota,
+    sel: WindowSel,
+    g: &GrantResponse,
+    sent: Instant,
+    arrived: Instant,
+) -> &'static str {
+    if g.tokens <= 0 {
+        if sel == WindowSel::Current {
+            // Tell every replica: answer 429 at once. Re-asked after at most
+            // a second, since releases can refill the pool.
+            let retry = g.retry_after_ms.unwrap_or(1000).max(1);
+            let ttl = retry.min(1000);
+            let _: Result<Option<String>, _> = app
+                .store
+                .cmd(redis::cmd("SET").arg(format!("{}exh", q.prefix)).arg(retry).arg("PX").arg(ttl))
+                .await;
+        }
+        return "empty";
+    }
+    let life_ms = g.expires_in_ms - sent.elapsed().as_millis() as i64 - SAFETY_MS;
+    let nb_ms = if sel == WindowSel::Next {
+        let alloc_now = g.expires_at - chrono::Duration::milliseconds(g.expires_in_ms);
+        let opens_in = (g.window_start - alloc_now).num_milliseconds() + 2;
+        (opens_in - arrived.elapsed().as_millis() as i64).max(0)
+    } else {
+        0
+    };
+    let mut inv = CREDIT.prepare_invoke();
+    inv.key(format!("{}inc", q.prefix))
+        .arg(&q.prefix)
+        .arg(q.token())
+        .arg(g.epoch)
+        .arg(&app.settings.agent)
+        .arg(g.lease_id.to_string())
+        .arg(g.tokens)
+        .arg(g.window_start.timestamp())
+        .arg(life_ms)
+        .arg(nb_ms)
+        .arg(life_ms.max(0) + nb_ms + COUNTER_TTL_MS);
+    match app.store.eval::<Reply>(&inv).await {
+        Ok(r) => match r.str(0).as_str() {
+            "ok" => {
+                tracing::debug!(tenant = %q.tenant, resource = %q.resource, lease_id = %g.lease_id, epoch = g.epoch,
+                    tokens = g.tokens, life_ms, nb_ms, "lease credited");
+                "granted"
+            }
+            "dup" => "replayed",
+            "expired" => "expired_on_arrival",
+            "stale" => "stale_epoch",
+            _ => {
+                // The quota's Redis state changed under us: the lease is
+                // stranded (safe), the next round adopts the new state.
+                let current = r.str(1);
+                if !current.is_empty() {
+                    *q.token.lock().unwrap() = current;
+                }
+                app.ident.request_register();
+                "lost"
+            }
+        },
+        Err(e) => {
+            tracing::warn!(tenant = %q.tenant, resource = %q.resource, lease_id = %g.lease_id, error = %e,
+                "cannot credit lease; its tokens are stranded");
+            "store_unavailable"
+        }
+    }
+}

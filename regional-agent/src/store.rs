@@ -1,0 +1,159 @@
+//! The region's Redis: one connection (a reconnecting manager for a single
+//! server, a cluster connection for Redis Cluster), every call bounded by a
+//! timeout, and the Lua scripts loaded once from `lua/*.lua` (EVALSHA, with
+//! a reload on NOSCRIPT done by `redis::Script`).
+//!
+//! Errors are not classified further: whatever Redis answers other than a
+//! result means the agent cannot decide, which is `503 store_unavailable`
+//! (or the opt-in local fallback) on the request path.
+
+use redis::aio::ConnectionManager;
+use redis::cluster_async::ClusterConnection;
+use redis::{FromRedisValue, Script, ScriptInvocation, Value};
+use std::sync::LazyLock;
+use std::time::Duration;
+
+/// The prelude shared by the scanning scripts (see `lua/prelude.lua`).
+const PRELUDE: &str = include_str!("../lua/prelude.lua");
+
+/// `lua/spend.lua`: one admission decision (I5).
+pub static SPEND: LazyLock<Script> =
+    LazyLock::new(|| Script::new(&format!("{PRELUDE}\n{}", include_str!("../lua/spend.lua"))));
+/// `lua/view.lua`: the renewer's view and the expiry sweep.
+pub static VIEW: LazyLock<Script> =
+    LazyLock::new(|| Script::new(&format!("{PRELUDE}\n{}", include_str!("../lua/view.lua"))));
+/// `lua/credit.lua`: credits a lease, idempotent by lease id, epoch-fenced.
+pub static CREDIT: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("../lua/credit.lua")));
+/// `lua/cut.lua`: moves unreported counts into an outbox entry (I7).
+pub static CUT: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("../lua/cut.lua")));
+/// `lua/fence.lua`: raises an agent's epoch fence in one quota (I4).
+pub static FENCE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("../lua/fence.lua")));
+/// `lua/unlock.lua`: releases the renew lock if still ours.
+pub static UNLOCK: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("../lua/unlock.lua")));
+
+/// Why a Redis call failed.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// Redis answered with an error or the connection broke.
+    #[error("redis: {0}")]
+    Redis(#[from] redis::RedisError),
+    /// No answer within the timeout.
+    #[error("redis call timed out after {0:?}")]
+    Timeout(Duration),
+    /// A script answered something the agent does not understand (a bug).
+    #[error("unexpected script answer: {0}")]
+    Protocol(String),
+}
+
+#[derive(Clone)]
+enum Conn {
+    Single(ConnectionManager),
+    Cluster(ClusterConnection),
+}
+
+/// A handle on the region's Redis; cheap to clone.
+#[derive(Clone)]
+pub struct Store {
+    conn: Conn,
+    timeout: Duration,
+}
+
+impl Store {
+    /// Connects to one server (lazily: the agent starts and reports
+    /// not-ready while Redis is down) or to a cluster (seed nodes).
+    pub async fn connect(urls: &[String], cluster: bool, timeout: Duration) -> Result<Store, String> {
+        if cluster {
+            let client = redis::cluster::ClusterClientBuilder::new(urls.to_vec())
+                .connection_timeout(timeout)
+                .response_timeout(timeout)
+                .retries(2)
+                .build()
+                .map_err(|e| format!("REDIS_URL is not a valid cluster node list: {e}"))?;
+            let conn = tokio::time::timeout(timeout * 20, client.get_async_connection())
+                .await
+                .map_err(|_| "timed out connecting to the Redis Cluster".to_string())?
+                .map_err(|e| format!("cannot connect to the Redis Cluster: {e}"))?;
+            return Ok(Store { conn: Conn::Cluster(conn), timeout });
+        }
+        let url = urls.first().ok_or("REDIS_URL is empty")?;
+        let client = redis::Client::open(url.as_str())
+            .map_err(|e| format!("REDIS_URL is not a valid Redis URL: {e}"))?;
+        let config = redis::aio::ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(timeout))
+            .set_response_timeout(Some(timeout))
+            .set_number_of_retries(1)
+            .set_max_delay(Duration::from_millis(500));
+        let conn =
+            ConnectionManager::new_lazy_with_config(client, config).map_err(|e| format!("redis: {e}"))?;
+        Ok(Store { conn: Conn::Single(conn), timeout })
+    }
+
+    /// Runs a script invocation (EVALSHA; SCRIPT LOAD and retry on NOSCRIPT).
+    pub async fn eval<T: FromRedisValue>(&self, inv: &ScriptInvocation<'_>) -> Result<T, StoreError> {
+        let fut = async {
+            match self.conn.clone() {
+                Conn::Single(mut c) => inv.invoke_async(&mut c).await,
+                Conn::Cluster(mut c) => inv.invoke_async(&mut c).await,
+            }
+        };
+        tokio::time::timeout(self.timeout, fut)
+            .await
+            .map_err(|_| StoreError::Timeout(self.timeout))?
+            .map_err(Into::into)
+    }
+
+    /// Runs one command.
+    pub async fn cmd<T: FromRedisValue>(&self, cmd: &redis::Cmd) -> Result<T, StoreError> {
+        let fut = async {
+            match self.conn.clone() {
+                Conn::Single(mut c) => cmd.query_async(&mut c).await,
+                Conn::Cluster(mut c) => cmd.query_async(&mut c).await,
+            }
+        };
+        tokio::time::timeout(self.timeout, fut)
+            .await
+            .map_err(|_| StoreError::Timeout(self.timeout))?
+            .map_err(Into::into)
+    }
+
+    /// `PING`, for readiness.
+    pub async fn ping(&self) -> bool {
+        self.cmd::<String>(&redis::cmd("PING")).await.is_ok()
+    }
+}
+
+/// A script's array answer, read field by field.
+pub struct Reply(Vec<Value>);
+
+impl FromRedisValue for Reply {
+    fn from_redis_value(v: Value) -> Result<Self, redis::ParsingError> {
+        match v {
+            Value::Array(items) => Ok(Reply(items)),
+            other => Ok(Reply(vec![other])),
+        }
+    }
+}
+
+impl Reply {
+    /// Field `i` as text (`""` when absent or nil).
+    pub fn str(&self, i: usize) -> String {
+        match self.0.get(i) {
+            Some(Value::BulkString(b)) => String::from_utf8_lossy(b).into_owned(),
+            Some(Value::SimpleString(s)) => s.clone(),
+            Some(Value::Int(n)) => n.to_string(),
+            Some(Value::Okay) => "OK".into(),
+            _ => String::new(),
+        }
+    }
+
+    /// Field `i` as an integer (0 when absent or not a number).
+    pub fn int(&self, i: usize) -> i64 {
+        match self.0.get(i) {
+            Some(Value::Int(n)) => *n,
+            Some(Value::BulkString(b)) => {
+                std::str::from_utf8(b).ok().and_then(|s| s.parse().ok()).unwrap_or(0)
+            }
+            _ => 0,
+        }
+    }
+}
