@@ -236,7 +236,11 @@ async fn grant_in_window(
         region_holding: region_granted - region_returned,
         others: &others,
     });
-    let expires_at = (now + Duration::seconds(policy.lease_ttl_secs)).min(window.end_at());
+    // A lease's life starts when its window opens: a lease prefetched for the
+    // next window would otherwise expire before that window ends and strand
+    // its tokens. Either way it never outlives its window (I2).
+    let life_from = now.max(window.start_at());
+    let expires_at = (life_from + Duration::seconds(policy.lease_ttl_secs)).min(window.end_at());
     let retry_after_ms = (tokens == 0).then(|| window.ms_until_end(now).clamp(1, MAX_RETRY_AFTER_MS));
     let pool_granted = granted + tokens;
     let row: LeaseRow = sqlx::query_as(include_str!("sql/lease_insert.sql"))
