@@ -9,6 +9,7 @@
 //!   database per test, or a Docker container when neither is possible.
 //! * [`redis`]: an ephemeral `redis-server` per test (no persistence), or
 //!   `REDIS_URL` with a key prefix per test.
+//! * [`redis_cluster`]: an ephemeral local 3-master Redis Cluster per test.
 //! * [`procs`]: child processes that die with the test, also on panic.
 //! * [`app`]: the allocator started in process on a free port.
 //! * [`http`]: a JSON client that returns status, headers and body.
@@ -21,6 +22,7 @@ pub mod http;
 pub mod pg;
 pub mod procs;
 pub mod redis;
+pub mod redis_cluster;
 pub mod wait;
 
 /// A loopback port that was free a moment ago.

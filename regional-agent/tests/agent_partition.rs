@@ -1,0 +1,102 @@
+//! Partitions between an agent and the allocator (a proxy that accepts and
+//! never answers), and the outbox drain after heal (I6, I7).
+
+mod common;
+
+use common::{acquire, Tally, World};
+use quota_tests::agent::Switch;
+use serde_json::json;
+use std::time::Duration;
+
+/// Waits for the start of the next `secs`-second UTC window.
+async fn next_window(secs: i64) {
+    let now = chrono::Utc::now().timestamp();
+    let next = (now / secs + 1) * secs;
+    quota_tests::wait::until_utc(chrono::DateTime::from_timestamp(next, 0).unwrap()).await;
+}
+
+/// Hammers until `stop` answers are seen in a row or `max` requests.
+async fn hammer(http: &quota_tests::http::Http, resource: &str, stop: (u16, &str), max: usize) -> Tally {
+    let mut t = Tally::default();
+    let mut streak = 0;
+    for _ in 0..max {
+        let r = acquire(http, "atlas", resource).await;
+        t.add(&r);
+        if (r.status, r.error()) == stop {
+            assert!(r.header("retry-after").is_some(), "{}", r.body);
+            streak += 1;
+            if streak >= 3 {
+                break;
+            }
+        } else {
+            streak = 0;
+        }
+    }
+    t
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bounded_partition_admits_at_most_the_fallback_allowance_and_heals_exactly() {
+    let w = World::start().await;
+    w.policy(
+        "atlas",
+        "p",
+        json!({"limit": 60, "window_secs": 30, "chunk_max": 60, "fallback_per_region": 7}),
+    )
+    .await;
+    let sw = Switch::start(&w.stack.alloc.base).await;
+    let a = w.agent("eu", "eu-1", Some(&sw.url), &[]).await;
+    // The first touch of a new region marks its first window's fallback as
+    // spent (the safe side); start the partition in a later window.
+    let mut tally = Tally::default();
+    tally.merge(&hammer(&a.http, "p", (0, ""), 3).await);
+    next_window(30).await;
+    tally.merge(&hammer(&a.http, "p", (0, ""), 3).await);
+    sw.partition();
+    let during = hammer(&a.http, "p", (503, "allocator_unreachable"), 400).await;
+    assert!(during.count(429, "quota_exhausted") == 0, "no 429 while unreachable: {during:?}");
+    tally.merge(&during);
+    let status = a.http.get("/v1/status").await.expect(200);
+    assert_eq!(status.body["allocator_reachable"], json!(false));
+    for (ws, (_, fb)) in &tally.by_window {
+        assert!(*fb <= 7, "window {ws} admitted {fb} from fallback: {tally:?}");
+    }
+    assert!(during.fallback() > 0, "fallback was used: {during:?}");
+    sw.heal();
+    w.wait_accounting("atlas", "p", &tally.by_window).await;
+    for win in w.windows("atlas", "p").await {
+        assert_eq!(win["bound_held"], json!(true), "{win}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn strict_partition_answers_503_and_heals_exactly() {
+    let w = World::start().await;
+    w.policy(
+        "atlas",
+        "s",
+        json!({"limit": 1000, "window_secs": 3600, "chunk_max": 20, "fail_mode": "strict"}),
+    )
+    .await;
+    let sw = Switch::start(&w.stack.alloc.base).await;
+    let a = w.agent("eu", "eu-1", Some(&sw.url), &[]).await;
+    let mut tally = hammer(&a.http, "s", (0, ""), 5).await;
+    sw.partition();
+    let during = hammer(&a.http, "s", (503, "allocator_unreachable"), 200).await;
+    assert_eq!(during.fallback(), 0, "{during:?}");
+    assert!(during.count(503, "allocator_unreachable") >= 3, "{during:?}");
+    tally.merge(&during);
+    sw.heal();
+    // After heal the agent admits from leases again.
+    let healed = quota_tests::wait::until("admits after heal", Duration::from_secs(15), || {
+        let http = a.http.clone();
+        async move {
+            let r = acquire(&http, "atlas", "s").await;
+            (r.status == 200).then_some(r)
+        }
+    })
+    .await;
+    assert_eq!(healed.body["source"], json!("lease"));
+    tally.add(&healed);
+    w.wait_accounting("atlas", "s", &tally.by_window).await;
+}

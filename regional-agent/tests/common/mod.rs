@@ -1,0 +1,213 @@
+//! Shared set-up of the agent tests: PostgreSQL, the allocator in process,
+//! one Redis per region, agents as real processes.
+
+#![allow(dead_code)]
+
+use quota_tests::agent::{AgentOpts, AgentProc};
+use quota_tests::fixtures::{put_policy, Stack};
+use quota_tests::http::{Http, Resp};
+use quota_tests::redis::TestRedis;
+use quota_tests::redis_cluster::TestRedisCluster;
+use serde_json::{json, Value};
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::Duration;
+
+/// The agent binary Cargo built for these tests.
+pub fn bin() -> &'static Path {
+    Path::new(env!("CARGO_BIN_EXE_regional-agent"))
+}
+
+/// PostgreSQL, the allocator and one Redis.
+pub struct World {
+    pub stack: Stack,
+    pub redis: TestRedis,
+    /// A local Redis Cluster the agents use instead of `redis` when set.
+    pub cluster: Option<TestRedisCluster>,
+}
+
+impl World {
+    pub async fn start() -> World {
+        World { stack: Stack::start().await, redis: TestRedis::start(), cluster: None }
+    }
+
+    /// PostgreSQL, the allocator and a local 3-master Redis Cluster the
+    /// agents are pointed at (as a comma-separated node list).
+    pub async fn start_cluster() -> World {
+        let cluster = tokio::task::spawn_blocking(TestRedisCluster::start).await.expect("cluster start");
+        World { stack: Stack::start().await, redis: TestRedis::start(), cluster: Some(cluster) }
+    }
+
+    /// The `--redis` the agents get.
+    pub fn redis_url(&self) -> &str {
+        self.cluster.as_ref().map_or(&self.redis.url, |c| &c.url)
+    }
+
+    /// Writes a policy.
+    pub async fn policy(&self, tenant: &str, resource: &str, body: Value) -> Value {
+        put_policy(&self.stack.http, tenant, resource, body).await
+    }
+
+    /// Starts an agent of `region` talking to `allocator` (default: the real one).
+    pub async fn agent(
+        &self,
+        region: &str,
+        agent: &str,
+        allocator: Option<&str>,
+        env: &[(&str, &str)],
+    ) -> AgentProc {
+        let mut opts =
+            AgentOpts::new(region, agent, allocator.unwrap_or(&self.stack.alloc.base), self.redis_url());
+        opts.env.extend(env.iter().map(|(k, v)| (k.to_string(), v.to_string())));
+        AgentProc::spawn(bin(), opts).await
+    }
+
+    /// The allocator's per-window accounting of a quota.
+    pub async fn windows(&self, tenant: &str, resource: &str) -> Vec<Value> {
+        let r = self.stack.http.get(&format!("/v1/windows/{tenant}/{resource}")).await.expect(200);
+        r.body["windows"].as_array().cloned().unwrap_or_default()
+    }
+
+    /// Σ admitted per window start (RFC 3339) from the allocator.
+    pub async fn admitted_by_window(&self, tenant: &str, resource: &str) -> BTreeMap<String, (i64, i64)> {
+        self.windows(tenant, resource)
+            .await
+            .iter()
+            .filter(|w| {
+                w["consumed"].as_i64().unwrap_or(0) + w["fallback_admitted"].as_i64().unwrap_or(0) > 0
+            })
+            .map(|w| {
+                (
+                    norm(w["window_start"].as_str().unwrap_or_default()),
+                    (w["consumed"].as_i64().unwrap_or(0), w["fallback_admitted"].as_i64().unwrap_or(0)),
+                )
+            })
+            .collect()
+    }
+
+    /// Waits until the allocator's accounting equals `expected` exactly.
+    pub async fn wait_accounting(
+        &self,
+        tenant: &str,
+        resource: &str,
+        expected: &BTreeMap<String, (i64, i64)>,
+    ) {
+        let mut last = BTreeMap::new();
+        let ok = tokio::time::timeout(Duration::from_secs(20), async {
+            loop {
+                last = self.admitted_by_window(tenant, resource).await;
+                if &last == expected {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        })
+        .await;
+        assert!(
+            ok.is_ok(),
+            "allocator accounting {last:?} never matched the client-side counts {expected:?}"
+        );
+    }
+}
+
+/// RFC 3339 normalised through chrono.
+pub fn norm(s: &str) -> String {
+    chrono::DateTime::parse_from_rfc3339(s)
+        .map(|d| d.with_timezone(&chrono::Utc).to_rfc3339())
+        .unwrap_or_default()
+}
+
+/// One acquire.
+pub async fn acquire(http: &Http, tenant: &str, resource: &str) -> Resp {
+    http.post("/v1/acquire", &json!({"tenant": tenant, "resource": resource})).await
+}
+
+/// Client-side tally of 200s per window and source.
+#[derive(Debug, Default, Clone)]
+pub struct Tally {
+    /// window start → (lease, fallback)
+    pub by_window: BTreeMap<String, (i64, i64)>,
+    pub statuses: BTreeMap<(u16, String), i64>,
+}
+
+impl Tally {
+    pub fn add(&mut self, r: &Resp) {
+        *self.statuses.entry((r.status, r.error().to_string())).or_default() += 1;
+        if r.status == 200 {
+            let ws = norm(r.body["window_start"].as_str().unwrap_or_default());
+            let e = self.by_window.entry(ws).or_default();
+            match r.body["source"].as_str() {
+                Some("fallback") => e.1 += 1,
+                _ => e.0 += 1,
+            }
+        }
+    }
+
+    pub fn merge(&mut self, o: &Tally) {
+        for (k, v) in &o.by_window {
+            let e = self.by_window.entry(k.clone()).or_default();
+            e.0 += v.0;
+            e.1 += v.1;
+        }
+        for (k, v) in &o.statuses {
+            *self.statuses.entry(k.clone()).or_default() += v;
+        }
+    }
+
+    pub fn admitted(&self) -> i64 {
+        self.by_window.values().map(|(a, b)| a + b).sum()
+    }
+
+    pub fn fallback(&self) -> i64 {
+        self.by_window.values().map(|(_, b)| b).sum()
+    }
+
+    pub fn count(&self, status: u16, code: &str) -> i64 {
+        self.statuses.get(&(status, code.to_string())).copied().unwrap_or(0)
+    }
+}
+
+/// I5: two replicas of region `eu`, 64 concurrent clients until the pool of
+/// 600 is exhausted: exactly as many 200s as tokens the allocator granted to
+/// the region (net of returns), none spent twice, and the allocator's
+/// accounting equals the client-side counts.
+pub async fn i5_two_replicas_64_clients(w: &World) {
+    w.policy("atlas", "write", json!({"limit": 600, "window_secs": 3600, "fail_mode": "strict"})).await;
+    let a = w.agent("eu", "eu-1", None, &[]).await;
+    let b = w.agent("eu", "eu-2", None, &[]).await;
+    let mut tasks = Vec::new();
+    for i in 0..64 {
+        let http = if i % 2 == 0 { a.http.clone() } else { b.http.clone() };
+        tasks.push(tokio::spawn(async move {
+            let mut t = Tally::default();
+            let mut refused = 0;
+            while refused < 5 {
+                let r = acquire(&http, "atlas", "write").await;
+                t.add(&r);
+                if r.status == 200 {
+                    refused = 0;
+                } else {
+                    assert_eq!((r.status, r.error()), (429, "quota_exhausted"), "{}", r.body);
+                    assert!(r
+                        .header("retry-after")
+                        .and_then(|v| v.parse::<i64>().ok())
+                        .is_some_and(|s| s >= 1));
+                    refused += 1;
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            }
+            t
+        }));
+    }
+    let mut tally = Tally::default();
+    for t in tasks {
+        tally.merge(&t.await.unwrap());
+    }
+    let windows = w.windows("atlas", "write").await;
+    let win = windows.iter().find(|w| w["granted"].as_i64().unwrap_or(0) > 0).expect("a window with grants");
+    let eu = &win["regions"]["eu"];
+    let net = eu["granted"].as_i64().unwrap() - eu["returned"].as_i64().unwrap();
+    assert_eq!(net, 600, "the pool is exhausted by the region: {win}");
+    assert_eq!(tally.admitted(), net, "200s must equal tokens granted: {tally:?}");
+    w.wait_accounting("atlas", "write", &tally.by_window).await;
+}
