@@ -24,9 +24,6 @@ pub enum Error {
     /// Missing or wrong bearer token.
     #[error("missing or invalid bearer token")]
     Unauthorized,
-    /// A token that is valid but not for this route.
-    #[error("this token may not use this route")]
-    Forbidden,
     /// A field has an invalid value; the message names the field.
     #[error("{field}: {message}")]
     InvalidField { field: String, message: String },
@@ -74,7 +71,6 @@ impl Error {
             Error::MalformedJson(_) => StatusCode::BAD_REQUEST,
             Error::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             Error::Unauthorized => StatusCode::UNAUTHORIZED,
-            Error::Forbidden => StatusCode::FORBIDDEN,
             Error::InvalidField { .. } => StatusCode::UNPROCESSABLE_ENTITY,
             Error::UnknownQuota(_) | Error::UnknownLease(_) | Error::UnknownAgent(_) | Error::NoRoute(_) => {
                 StatusCode::NOT_FOUND
@@ -93,7 +89,6 @@ impl Error {
             Error::MalformedJson(_) => "malformed_json",
             Error::UnsupportedMediaType(_) => "unsupported_media_type",
             Error::Unauthorized => "unauthorized",
-            Error::Forbidden => "forbidden",
             Error::InvalidField { .. } => "invalid_field",
             Error::UnknownQuota(_) => "unknown_quota",
             Error::UnknownLease(_) => "unknown_lease",

@@ -214,8 +214,9 @@ async fn auth_tokens_separate_agent_and_admin_routes() {
     let policy = json!({"limit": 10, "window_secs": 60});
     assert_eq!(anon.put("/v1/policies/a/b", &policy).await.status, 401);
     assert_eq!(wrong.put("/v1/policies/a/b", &policy).await.status, 401);
-    assert_eq!(agent.put("/v1/policies/a/b", &policy).await.status, 403);
-    assert_eq!(agent.get("/v1/ledger").await.status, 403);
+    assert_eq!(agent.put("/v1/policies/a/b", &policy).await.status, 401, "agents cannot change policies");
+    assert_eq!(agent.get("/v1/policies/a/b").await.status, 401, "agents cannot read policies");
+    assert_eq!(agent.get("/v1/ledger").await.status, 401);
     assert_eq!(admin.put("/v1/policies/a/b", &policy).await.status, 200);
     let body = json!({"region": "eu", "agent": "eu-1"});
     assert_eq!(anon.post("/v1/agents/register", &body).await.status, 401);

@@ -62,7 +62,9 @@ pub async fn require_agent(
     Ok(next.run(req).await)
 }
 
-/// Admin routes: only the admin token; an agent token is refused with 403.
+/// Admin routes: only the admin token. An agent token is a wrong token here
+/// and gets the same bare 401 as any other (DESIGN §5), so agents can neither
+/// read nor change policies.
 pub async fn require_admin(
     State(state): State<AppState>,
     mut req: Request,
@@ -74,8 +76,6 @@ pub async fn require_admin(
         Principal("anonymous")
     } else if matches(presented, &tokens.admin) {
         Principal("admin")
-    } else if matches(presented, &tokens.agent) {
-        return Err(Error::Forbidden);
     } else {
         return Err(Error::Unauthorized);
     };
