@@ -15,7 +15,11 @@ pub fn registry() -> Registry {
     r.describe("allocator_grants_total", "counter", "Grant requests by outcome");
     r.describe("allocator_granted_tokens_total", "counter", "Tokens put into leases");
     r.describe("allocator_released_tokens_total", "counter", "Unspent tokens returned to open pools");
-    r.describe("allocator_grant_seconds", "histogram", "Grant handling latency, including retries of a raced key");
+    r.describe(
+        "allocator_grant_seconds",
+        "histogram",
+        "Grant handling latency, including retries of a raced key",
+    );
     r
 }
 
