@@ -1,7 +1,7 @@
 //! Liveness (`/healthz`, shallow), readiness (`/readyz`, the database answers)
 //! and `/metrics` (Prometheus text).
 
-use crate::{AppState, Error, Result};
+use crate::{AppState, Result};
 use axum::extract::State;
 use axum::http::header;
 use axum::response::IntoResponse;
@@ -22,10 +22,7 @@ async fn healthz() -> Json<Value> {
 }
 
 async fn readyz(State(state): State<AppState>) -> Result<Json<Value>> {
-    sqlx::query(include_str!("sql/ping.sql")).execute(&state.db).await.map_err(|e| match Error::from(e) {
-        Error::Internal(e) => Error::Internal(e),
-        other => other,
-    })?;
+    sqlx::query(include_str!("sql/ping.sql")).execute(&state.db).await?;
     Ok(Json(json!({"status": "ready", "database": "ok"})))
 }
 

@@ -9,7 +9,8 @@ use crate::{AppState, Error, Result};
 use axum::extract::State;
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use chrono::{DateTime, TimeZone, Utc};
+use chrono::{DateTime, Utc};
+use quota_shared::window::Window;
 use quota_shared::wire::{FailMode, GrantResponse, LeaseView, PoolSnapshot, ReleaseRequest};
 use serde::Serialize;
 use uuid::Uuid;
@@ -54,14 +55,15 @@ pub struct LeaseRow {
     pub released_at: Option<DateTime<Utc>>,
 }
 
-fn ts(secs: i64) -> DateTime<Utc> {
-    Utc.timestamp_opt(secs, 0).single().unwrap_or_default()
-}
-
 impl LeaseRow {
+    /// The lease's window.
+    pub fn window(&self) -> Window {
+        Window { start: self.window_start, secs: self.window_secs }
+    }
+
     /// End of the lease's window.
     pub fn window_end(&self) -> DateTime<Utc> {
-        ts(self.window_start + self.window_secs)
+        self.window().end_at()
     }
 
     /// The grant answer. Everything is as first granted except
@@ -78,7 +80,7 @@ impl LeaseRow {
             epoch: self.epoch,
             seq: self.seq,
             tokens: self.tokens,
-            window_start: ts(self.window_start),
+            window_start: self.window().start_at(),
             window_end: self.window_end(),
             expires_at: self.expires_at,
             expires_in_ms: (self.expires_at - now).num_milliseconds().max(0),
@@ -105,7 +107,7 @@ impl LeaseRow {
             epoch: self.epoch,
             seq: self.seq,
             tokens: self.tokens,
-            window_start: ts(self.window_start),
+            window_start: self.window().start_at(),
             window_end: self.window_end(),
             issued_at: self.issued_at,
             expires_at: self.expires_at,

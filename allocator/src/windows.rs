@@ -9,8 +9,9 @@ use crate::{AppState, Error, Result};
 use axum::extract::State;
 use axum::routing::get;
 use axum::{Json, Router};
-use chrono::{DateTime, Duration, TimeZone, Utc};
+use chrono::{DateTime, Duration, Utc};
 use quota_shared::bound::{self, BoundInputs};
+use quota_shared::window::Window;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
@@ -94,10 +95,6 @@ struct Row {
     r_demand: Option<f64>,
 }
 
-fn ts(secs: i64) -> DateTime<Utc> {
-    Utc.timestamp_opt(secs, 0).single().unwrap_or_default()
-}
-
 async fn list(
     State(state): State<AppState>,
     ApiPath((tenant, resource)): ApiPath<(String, String)>,
@@ -131,11 +128,12 @@ async fn list(
     for r in rows {
         let key = (r.window_start, r.window_secs);
         if windows.last().is_none_or(|w| (w.window_start.timestamp(), w.window_secs) != key) {
+            let window = Window { start: r.window_start, secs: r.window_secs };
             windows.push(WindowAccount {
-                window_start: ts(r.window_start),
-                window_end: ts(r.window_start + r.window_secs),
+                window_start: window.start_at(),
+                window_end: window.end_at(),
                 window_secs: r.window_secs,
-                closed: ts(r.window_start + r.window_secs) <= now,
+                closed: window.end_at() <= now,
                 limit: r.limit_tokens,
                 granted: r.granted,
                 returned: r.returned,
