@@ -1,0 +1,84 @@
+//! The allocator's own window accounting (`GET /v1/windows/...`), the
+//! numbers the ground truth of [`crate::traffic`] is compared with.
+
+use quota_tests::http::Http;
+use serde::Deserialize;
+use std::collections::BTreeMap;
+
+/// One region's part of a window, as the allocator counts it.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct RegionAccount {
+    pub granted: i64,
+    pub returned: i64,
+    pub consumed: i64,
+    pub fallback_admitted: i64,
+    pub admitted: i64,
+    pub stranded: i64,
+}
+
+/// One window, as the allocator counts it.
+#[derive(Debug, Clone, Deserialize)]
+pub struct WindowAccount {
+    pub window_start: chrono::DateTime<chrono::Utc>,
+    pub window_secs: i64,
+    pub closed: bool,
+    pub limit: i64,
+    pub granted: i64,
+    pub returned: i64,
+    pub consumed: i64,
+    pub fallback_admitted: i64,
+    pub admitted: i64,
+    pub overshoot: i64,
+    pub bound: i64,
+    pub bound_held: bool,
+    pub stranded: i64,
+    #[serde(default)]
+    pub regions: BTreeMap<String, RegionAccount>,
+}
+
+#[derive(Deserialize)]
+struct Page {
+    windows: Vec<WindowAccount>,
+    next_from: Option<chrono::DateTime<chrono::Utc>>,
+}
+
+/// Most pages read in one call (each holds up to 100 windows).
+const MAX_PAGES: usize = 100;
+
+/// Every window of `tenant/resource` starting in `[from, to)`, by start.
+pub async fn windows(
+    admin: &Http,
+    tenant: &str,
+    resource: &str,
+    from: i64,
+    to: i64,
+) -> Result<BTreeMap<i64, WindowAccount>, String> {
+    let mut out = BTreeMap::new();
+    let fmt = |t: i64| {
+        chrono::DateTime::from_timestamp(t, 0)
+            .unwrap_or_default()
+            .to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
+    };
+    let mut cursor = fmt(from);
+    for _ in 0..MAX_PAGES {
+        let path = format!("/v1/windows/{tenant}/{resource}?from={}&to={}", enc(&cursor), enc(&fmt(to)));
+        let resp = admin.get(&path).await;
+        if resp.status != 200 {
+            return Err(format!("GET {path}: {} {}", resp.status, resp.body));
+        }
+        let page: Page = serde_json::from_value(resp.body).map_err(|e| format!("windows answer: {e}"))?;
+        for w in page.windows {
+            out.insert(w.window_start.timestamp(), w);
+        }
+        match page.next_from {
+            Some(n) => cursor = n.to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+            None => return Ok(out),
+        }
+    }
+    Ok(out)
+}
+
+/// `+` in an RFC 3339 offset must not turn into a space.
+fn enc(s: &str) -> String {
+    s.replace('+', "%2B").replace(':', "%3A")
+}

@@ -1,0 +1,86 @@
+//! The real `allocator` and `regional-agent` binaries the lab runs, built
+//! with the same profile as `quota-lab` itself and found next to it.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// Paths of the two service binaries.
+#[derive(Debug, Clone)]
+pub struct Bins {
+    pub allocator: PathBuf,
+    pub agent: PathBuf,
+}
+
+/// The directory holding `quota-lab` (`target/<profile>`); a test binary
+/// lives one level deeper, in `deps/`.
+fn profile_dir() -> Result<PathBuf, String> {
+    let exe = std::env::current_exe().map_err(|e| format!("cannot locate quota-lab: {e}"))?;
+    let mut dir = exe.parent().map(Path::to_path_buf).ok_or("quota-lab has no parent directory")?;
+    if dir.file_name().is_some_and(|n| n == "deps") {
+        dir.pop();
+    }
+    Ok(dir)
+}
+
+/// Builds the service binaries when run under cargo (a no-op when they are
+/// fresh) and returns their paths.
+pub fn ensure() -> Result<Bins, String> {
+    let dir = profile_dir()?;
+    let skip = std::env::var_os("QUOTA_LAB_NO_BUILD").is_some();
+    if let (Some(cargo), false) = (std::env::var_os("CARGO"), skip) {
+        let release = dir.file_name().is_some_and(|n| n == "release");
+        let mut cmd = Command::new(cargo);
+        cmd.args(["build", "--quiet", "-p", "allocator", "-p", "regional-agent", "--bins"]);
+        if release {
+            cmd.arg("--release");
+        }
+        eprintln!(
+            "lab: building allocator and regional-agent ({})",
+            if release { "release" } else { "debug" }
+        );
+        let status = cmd.status().map_err(|e| format!("cannot run cargo build: {e}"))?;
+        if !status.success() {
+            return Err(format!("cargo build of the service binaries failed ({status})"));
+        }
+    }
+    let bins = Bins { allocator: dir.join("allocator"), agent: dir.join("regional-agent") };
+    for b in [&bins.allocator, &bins.agent] {
+        if !b.is_file() {
+            return Err(format!(
+                "{} not found; build it with `cargo build --release -p allocator -p regional-agent`",
+                b.display()
+            ));
+        }
+    }
+    Ok(bins)
+}
+
+/// What the lab needs from the machine that cargo cannot build: a
+/// PostgreSQL and a Redis server (local binaries, env URLs or Docker).
+pub fn check_servers() -> Result<(), String> {
+    use quota_tests::procs::{docker_available, find_binary};
+    let pg_dirs: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
+        .map(|rd| rd.filter_map(|e| e.ok()).map(|e| e.path().join("bin")).collect())
+        .unwrap_or_default();
+    let have_pg = std::env::var_os("DATABASE_URL").is_some() || find_binary("initdb", &pg_dirs).is_some();
+    let have_redis = std::env::var_os("REDIS_URL").is_some() || find_binary("redis-server", &[]).is_some();
+    if have_pg && have_redis {
+        return Ok(());
+    }
+    if docker_available() {
+        return Ok(());
+    }
+    let mut missing = Vec::new();
+    if !have_pg {
+        missing.push("postgresql");
+    }
+    if !have_redis {
+        missing.push("redis-server");
+    }
+    Err(format!(
+        "no {} server found and no Docker engine answers.\n  install: sudo apt-get install -y {}\n  \
+         or point DATABASE_URL / REDIS_URL at running servers",
+        missing.join(" or "),
+        missing.join(" ")
+    ))
+}

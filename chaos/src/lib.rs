@@ -1,0 +1,25 @@
+//! `quota-lab`: one local-stack orchestrator for the chaos suite
+//! (`cargo lab chaos`), the benchmarks (`cargo lab bench`) and the demo
+//! (`cargo lab demo`). It runs the real `allocator` and `regional-agent`
+//! binaries over an ephemeral PostgreSQL and one ephemeral Redis per region,
+//! with a fault proxy on every link.
+//!
+//! * [`bins`]: building and finding the service binaries, checking servers.
+//! * [`proxy`]: the fault proxy (pass, blackhole, refuse, latency, lost replies).
+//! * [`stack`]: starting and stopping the whole stack.
+//! * [`traffic`]: client processes' ground truth: 200s, 429s and 503s per window.
+//! * [`accounts`]: the allocator's window accounting, read over HTTP.
+//! * [`report`]: per-window tables as text, Markdown and JSON.
+//! * [`scenarios`]: the chaos scenarios and their verdicts.
+//! * [`demo`]: the one-command demo.
+//! * [`bench`]: the benchmarks.
+
+pub mod accounts;
+pub mod bench;
+pub mod bins;
+pub mod demo;
+pub mod proxy;
+pub mod report;
+pub mod scenarios;
+pub mod stack;
+pub mod traffic;

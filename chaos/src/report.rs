@@ -1,0 +1,183 @@
+//! Per-window rows joining the clients' ground truth with the allocator's
+//! accounting, their checks, and the table as text, Markdown and JSON.
+
+use crate::accounts::WindowAccount;
+use crate::traffic::{self, Tally};
+use serde::Serialize;
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::path::Path;
+
+/// One window of one scenario.
+#[derive(Debug, Clone, Serialize)]
+pub struct WindowRow {
+    pub window_start: String,
+    pub limit: i64,
+    pub bound: i64,
+    /// Clients' 200s charged to this window (ground truth).
+    pub admitted: u64,
+    /// Of those, `source: "fallback"`.
+    pub fallback: u64,
+    /// `admitted − limit` when positive.
+    pub overshoot: i64,
+    pub stranded: i64,
+    pub denied: u64,
+    pub unavailable: u64,
+    /// Requests whose answer the client never saw.
+    pub ambiguous: u64,
+    /// What the allocator's accounting says was admitted.
+    pub ledger_admitted: i64,
+    /// Admitted per region (ground truth).
+    pub regions: BTreeMap<String, u64>,
+}
+
+/// One scenario's result.
+#[derive(Debug, Clone, Serialize)]
+pub struct ScenarioReport {
+    pub scenario: String,
+    pub verdict: &'static str,
+    pub windows: Vec<WindowRow>,
+    /// Every check that failed, and notes on what the scenario did.
+    pub notes: Vec<String>,
+    pub seconds: f64,
+}
+
+/// Joins the tally (raw keys) with the accounts; windows with neither
+/// traffic nor accounting are left out.
+pub fn rows(tally: &Tally, accounts: &BTreeMap<i64, WindowAccount>, secs: i64) -> Vec<WindowRow> {
+    let grouped = traffic::by_window(tally, secs);
+    let mut starts: Vec<i64> = grouped.keys().chain(accounts.keys()).copied().collect();
+    starts.sort_unstable();
+    starts.dedup();
+    starts
+        .into_iter()
+        .map(|ws| {
+            let empty = BTreeMap::new();
+            let regions = grouped.get(&ws).unwrap_or(&empty);
+            let c = traffic::total(regions);
+            let acc = accounts.get(&ws);
+            let limit = acc.map(|a| a.limit).unwrap_or(0);
+            WindowRow {
+                window_start: chrono::DateTime::from_timestamp(ws, 0)
+                    .unwrap_or_default()
+                    .to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+                limit,
+                bound: acc.map(|a| a.bound).unwrap_or(0),
+                admitted: c.admitted(),
+                fallback: c.fallback,
+                overshoot: (c.admitted() as i64 - limit).max(0),
+                stranded: acc.map(|a| a.stranded).unwrap_or(0),
+                denied: c.denied,
+                unavailable: c.unavailable,
+                ambiguous: c.ambiguous,
+                ledger_admitted: acc.map(|a| a.admitted).unwrap_or(0),
+                regions: regions.iter().map(|(r, c)| (r.clone(), c.admitted())).collect(),
+            }
+        })
+        .collect()
+}
+
+/// The checks every scenario makes on every window: admitted within the
+/// bound (I6), and the allocator's count equal to the clients' (I7), up to
+/// requests whose answer was lost (each may or may not have been admitted).
+pub fn check_windows(rows: &[WindowRow], bound_of: impl Fn(&WindowRow) -> i64) -> Vec<String> {
+    let mut failed = Vec::new();
+    for r in rows {
+        let bound = bound_of(r);
+        if r.admitted as i64 > bound {
+            failed.push(format!("window {}: admitted {} > bound {bound}", r.window_start, r.admitted));
+        }
+        let low = r.admitted as i64;
+        let high = low + r.ambiguous as i64;
+        if r.ledger_admitted < low || r.ledger_admitted > high {
+            failed.push(format!(
+                "window {}: allocator counts {} admitted, clients saw {} (+{} unanswered)",
+                r.window_start, r.ledger_admitted, r.admitted, r.ambiguous
+            ));
+        }
+    }
+    failed
+}
+
+/// The text table printed for a scenario.
+pub fn text_table(rep: &ScenarioReport) -> String {
+    let mut s = String::new();
+    let _ = writeln!(s, "== {} : {} ({:.1} s)", rep.scenario, rep.verdict.to_uppercase(), rep.seconds);
+    let _ = writeln!(
+        s,
+        "{:<21} {:>6} {:>6} {:>8} {:>9} {:>8} {:>7} {:>7} {:>6} {:>8}",
+        "window", "G", "bound", "admitted", "overshoot", "stranded", "429", "503", "lost", "ledger"
+    );
+    for w in &rep.windows {
+        let _ = writeln!(
+            s,
+            "{:<21} {:>6} {:>6} {:>8} {:>9} {:>8} {:>7} {:>7} {:>6} {:>8}",
+            w.window_start,
+            w.limit,
+            w.bound,
+            w.admitted,
+            w.overshoot,
+            w.stranded,
+            w.denied,
+            w.unavailable,
+            w.ambiguous,
+            w.ledger_admitted
+        );
+    }
+    for n in &rep.notes {
+        let _ = writeln!(s, "   - {n}");
+    }
+    s
+}
+
+/// All scenarios as Markdown.
+pub fn markdown(reports: &[ScenarioReport], command: &str) -> String {
+    let mut s = String::new();
+    let _ = writeln!(s, "# Chaos report\n\nCommand: `{command}`\n");
+    for rep in reports {
+        let _ = writeln!(s, "## {} — {}\n", rep.scenario, rep.verdict);
+        let _ = writeln!(
+            s,
+            "| window | G | bound | admitted | overshoot | stranded | denied 429 | unavailable 503 | unanswered | ledger admitted |"
+        );
+        let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|---|");
+        for w in &rep.windows {
+            let _ = writeln!(
+                s,
+                "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                w.window_start,
+                w.limit,
+                w.bound,
+                w.admitted,
+                w.overshoot,
+                w.stranded,
+                w.denied,
+                w.unavailable,
+                w.ambiguous,
+                w.ledger_admitted
+            );
+        }
+        for n in &rep.notes {
+            let _ = writeln!(s, "\n- {n}");
+        }
+        let _ = writeln!(s);
+    }
+    s
+}
+
+/// Writes `value` as pretty JSON to `path`, creating its directory.
+pub fn write_json<T: Serialize>(path: &Path, value: &T) -> Result<(), String> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    }
+    let text = serde_json::to_string_pretty(value).map_err(|e| e.to_string())?;
+    std::fs::write(path, text).map_err(|e| format!("{}: {e}", path.display()))
+}
+
+/// The workspace's `target/` directory (where reports go).
+pub fn target_dir() -> std::path::PathBuf {
+    if let Some(d) = std::env::var_os("CARGO_TARGET_DIR") {
+        return d.into();
+    }
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join("target")
+}

@@ -1,0 +1,216 @@
+//! The local stack every lab command runs: an ephemeral PostgreSQL,
+//! allocator replicas (real processes), and per region an ephemeral Redis and
+//! agent replicas (real processes), with a [`FaultProxy`] on every link.
+//!
+//! ```text
+//!  clients ─▶ agent ─┬─ alloc link (LB over replicas) ─▶ allocator ─ pg link ─▶ PostgreSQL
+//!                    └─ redis link ─▶ Redis (one per region)
+//! ```
+//!
+//! Everything started here stops when the [`Stack`] is dropped: processes
+//! are killed, data directories removed.
+
+use crate::bins::Bins;
+use crate::proxy::FaultProxy;
+use quota_tests::agent::{AgentOpts, AgentProc};
+use quota_tests::http::Http;
+use quota_tests::pg::TestDb;
+use quota_tests::procs::Child;
+use quota_tests::redis::TestRedis;
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::Duration;
+
+/// What to start.
+#[derive(Debug, Clone)]
+pub struct StackSpec {
+    /// Region names with their number of agent replicas.
+    pub regions: Vec<(String, usize)>,
+    /// Allocator replicas behind one load balancer.
+    pub allocators: usize,
+    /// Extra environment for every agent (flags by their env names).
+    pub agent_env: Vec<(String, String)>,
+}
+
+impl StackSpec {
+    /// Regions `eu` and `us` with one agent each, one allocator.
+    pub fn two_regions() -> StackSpec {
+        StackSpec { regions: vec![("eu".into(), 1), ("us".into(), 1)], allocators: 1, agent_env: Vec::new() }
+    }
+}
+
+/// One allocator replica on a fixed port, so a restart keeps its address.
+pub struct AllocatorProc {
+    pub addr: String,
+    bin: PathBuf,
+    database_url: String,
+    log: PathBuf,
+    child: Option<Child>,
+    starts: u32,
+}
+
+impl AllocatorProc {
+    fn start(&mut self) -> Result<(), String> {
+        self.starts += 1;
+        let mut cmd = Command::new(&self.bin);
+        cmd.env("DATABASE_URL", &self.database_url)
+            .env("ALLOCATOR_LISTEN", &self.addr)
+            .env("RUST_LOG", std::env::var("ALLOCATOR_LOG").unwrap_or_else(|_| "warn".into()));
+        let log = self.log.with_extension(format!("{}.log", self.starts));
+        self.child =
+            Some(Child::spawn("allocator", cmd, &log, None).map_err(|e| format!("spawn allocator: {e}"))?);
+        Ok(())
+    }
+
+    /// Waits until `/readyz` answers 200.
+    pub async fn ready(&self, timeout: Duration) -> Result<(), String> {
+        let http = Http::new(&format!("http://{}", self.addr));
+        let deadline = tokio::time::Instant::now() + timeout;
+        while tokio::time::Instant::now() < deadline {
+            if http.get_status("/readyz").await == Some(200) {
+                return Ok(());
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        Err(format!("allocator on {} not ready after {timeout:?}; see {}", self.addr, self.log.display()))
+    }
+
+    /// Kills the process with `sig` (waits for the exit).
+    pub fn kill(&mut self, sig: i32) {
+        if let Some(mut c) = self.child.take() {
+            c.stop(sig, Duration::from_secs(10));
+        }
+    }
+
+    /// Sends `sig` without waiting (SIGSTOP / SIGCONT).
+    pub fn signal(&self, sig: i32) {
+        if let Some(c) = &self.child {
+            c.signal(sig);
+        }
+    }
+
+    /// Starts it again on the same port and waits until ready.
+    pub async fn restart(&mut self) -> Result<(), String> {
+        self.kill(libc::SIGKILL);
+        self.start()?;
+        self.ready(Duration::from_secs(30)).await
+    }
+}
+
+/// One region: its Redis and agents, and the links they use.
+pub struct Region {
+    pub name: String,
+    pub redis: TestRedis,
+    /// Agents → this region's Redis.
+    pub redis_link: FaultProxy,
+    /// Agents → the allocator replicas.
+    pub alloc_link: FaultProxy,
+    pub agents: Vec<AgentProc>,
+}
+
+/// The running stack.
+pub struct Stack {
+    pub bins: Bins,
+    pub db: TestDb,
+    /// Allocators → PostgreSQL.
+    pub pg_link: FaultProxy,
+    pub allocators: Vec<AllocatorProc>,
+    /// Operator reads and policy writes go here (never faulted).
+    pub api_link: FaultProxy,
+    pub admin: Http,
+    pub regions: Vec<Region>,
+    dir: tempfile::TempDir,
+}
+
+impl Stack {
+    /// Starts everything in `spec`; `progress` is told about each step.
+    pub async fn start(bins: Bins, spec: &StackSpec, progress: &dyn Fn(&str)) -> Result<Stack, String> {
+        let dir = tempfile::Builder::new().prefix("quota-lab-").tempdir().map_err(|e| e.to_string())?;
+        progress("starting PostgreSQL");
+        let db = TestDb::start().await;
+        let pg_addr = pg_link_target(&db.url);
+        let pg_link = FaultProxy::start(vec![pg_addr.clone()]).await.map_err(|e| e.to_string())?;
+        let database_url = db.url.replacen(&pg_addr, &pg_link.addr, 1);
+        let mut allocators = Vec::new();
+        for i in 0..spec.allocators.max(1) {
+            let mut a = AllocatorProc {
+                addr: format!("127.0.0.1:{}", quota_tests::free_port()),
+                bin: bins.allocator.clone(),
+                database_url: database_url.clone(),
+                log: dir.path().join(format!("allocator-{i}")),
+                child: None,
+                starts: 0,
+            };
+            progress(&format!("starting allocator {} on {}", i + 1, a.addr));
+            a.start()?;
+            a.ready(Duration::from_secs(60)).await?;
+            allocators.push(a);
+        }
+        let upstreams: Vec<String> = allocators.iter().map(|a| a.addr.clone()).collect();
+        let api_link = FaultProxy::start(upstreams.clone()).await.map_err(|e| e.to_string())?;
+        let admin = Http::new(&api_link.http_url());
+        let mut regions = Vec::new();
+        for (name, replicas) in &spec.regions {
+            progress(&format!("starting Redis and {replicas} agent(s) of region {name}"));
+            let redis = TestRedis::start();
+            let redis_addr = redis.url.trim_start_matches("redis://").to_string();
+            let redis_link = FaultProxy::start(vec![redis_addr]).await.map_err(|e| e.to_string())?;
+            let alloc_link = FaultProxy::start(upstreams.clone()).await.map_err(|e| e.to_string())?;
+            let mut agents = Vec::new();
+            for r in 0..*replicas {
+                let mut opts = AgentOpts::new(
+                    name,
+                    &format!("{name}-{}", r + 1),
+                    &alloc_link.http_url(),
+                    &format!("redis://{}", redis_link.addr),
+                );
+                opts.env.push(("AGENT_REDIS_PREFIX".into(), redis.prefix.clone()));
+                opts.env.extend(spec.agent_env.iter().cloned());
+                agents.push(AgentProc::spawn(&bins.agent, opts).await);
+            }
+            regions.push(Region { name: name.clone(), redis, redis_link, alloc_link, agents });
+        }
+        Ok(Stack { bins, db, pg_link, allocators, api_link, admin, regions, dir })
+    }
+
+    /// The region named `name`.
+    pub fn region(&self, name: &str) -> &Region {
+        self.regions.iter().find(|r| r.name == name).expect("known region")
+    }
+
+    /// The region named `name`, mutably.
+    pub fn region_mut(&mut self, name: &str) -> &mut Region {
+        self.regions.iter_mut().find(|r| r.name == name).expect("known region")
+    }
+
+    /// Every agent's base URL by region.
+    pub fn agent_urls(&self) -> Vec<(String, Vec<String>)> {
+        self.regions
+            .iter()
+            .map(|r| (r.name.clone(), r.agents.iter().map(|a| a.base.clone()).collect()))
+            .collect()
+    }
+
+    /// Where logs of this stack are written.
+    pub fn log_dir(&self) -> &std::path::Path {
+        self.dir.path()
+    }
+
+    /// Stops agents first (SIGTERM: they drain their outboxes), then the
+    /// allocators; servers and directories go when the stack is dropped.
+    pub async fn shutdown(mut self) {
+        for r in &mut self.regions {
+            for a in &mut r.agents {
+                a.stop(libc::SIGTERM);
+            }
+        }
+        for a in &mut self.allocators {
+            a.kill(libc::SIGTERM);
+        }
+    }
+}
+
+/// `host:port` of a `postgres://user@host:port/db` URL.
+fn pg_link_target(url: &str) -> String {
+    url.split('@').nth(1).and_then(|r| r.split('/').next()).unwrap_or_default().to_string()
+}

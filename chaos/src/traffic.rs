@@ -1,0 +1,237 @@
+//! Client traffic and its ground truth: every answer a client saw, counted
+//! per region and per the window the agent charged (`window_start` of a 200)
+//! or, for refusals, the window the client was in.
+//!
+//! A request whose answer never arrived (connection reset, timeout) is
+//! counted as `ambiguous`: the agent may or may not have admitted it.
+
+use serde::Serialize;
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::watch;
+use tokio::task::JoinSet;
+
+/// What clients saw in one window of one region.
+#[derive(Debug, Clone, Copy, Default, Serialize, PartialEq, Eq)]
+pub struct Counts {
+    /// 200 with `source: "lease"`.
+    pub lease: u64,
+    /// 200 with `source: "fallback"`.
+    pub fallback: u64,
+    /// 429 `quota_exhausted`.
+    pub denied: u64,
+    /// 503 (`allocator_unreachable` or `store_unavailable`).
+    pub unavailable: u64,
+    /// No answer, or an answer that was neither of the above.
+    pub ambiguous: u64,
+}
+
+impl Counts {
+    /// Every 200.
+    pub fn admitted(&self) -> u64 {
+        self.lease + self.fallback
+    }
+
+    /// Adds `o` into `self`.
+    pub fn add(&mut self, o: &Counts) {
+        self.lease += o.lease;
+        self.fallback += o.fallback;
+        self.denied += o.denied;
+        self.unavailable += o.unavailable;
+        self.ambiguous += o.ambiguous;
+    }
+}
+
+/// Counts by window start (Unix seconds), then by region.
+pub type Tally = BTreeMap<i64, BTreeMap<String, Counts>>;
+
+/// Offered load of one region: requests per second spread over its agents.
+#[derive(Debug, Clone)]
+pub struct RegionLoad {
+    pub region: String,
+    pub agents: Vec<String>,
+    pub rate_per_sec: f64,
+}
+
+/// Running traffic; stops when dropped or by [`Traffic::stop`].
+pub struct Traffic {
+    tally: Arc<Mutex<Tally>>,
+    rates: BTreeMap<String, Arc<AtomicU64>>,
+    stop: watch::Sender<bool>,
+    tasks: JoinSet<()>,
+}
+
+/// Clients per region; each sends at `rate / CLIENTS` so a slow answer does
+/// not stop the others.
+const CLIENTS: usize = 8;
+/// A client gives up on an answer after this long.
+const CLIENT_TIMEOUT: Duration = Duration::from_secs(3);
+
+impl Traffic {
+    /// Starts clients for every region in `loads` on quota `tenant/resource`.
+    pub fn start(tenant: &str, resource: &str, loads: &[RegionLoad]) -> Traffic {
+        let tally = Arc::new(Mutex::new(Tally::new()));
+        let (stop, _) = watch::channel(false);
+        let mut tasks = JoinSet::new();
+        let mut rates = BTreeMap::new();
+        let client = reqwest::Client::builder()
+            .timeout(CLIENT_TIMEOUT)
+            .pool_max_idle_per_host(CLIENTS)
+            .build()
+            .expect("http client");
+        for load in loads {
+            let rate = Arc::new(AtomicU64::new(load.rate_per_sec.to_bits()));
+            rates.insert(load.region.clone(), rate.clone());
+            for c in 0..CLIENTS {
+                let ctx = ClientCtx {
+                    client: client.clone(),
+                    region: load.region.clone(),
+                    urls: load.agents.iter().map(|a| format!("{a}/v1/acquire")).collect(),
+                    body: serde_json::json!({"tenant": tenant, "resource": resource}),
+                    rate: rate.clone(),
+                    tally: tally.clone(),
+                    offset: c,
+                };
+                tasks.spawn(ctx.run(stop.subscribe()));
+            }
+        }
+        Traffic { tally, rates, stop, tasks }
+    }
+
+    /// Changes a region's offered rate.
+    pub fn set_rate(&self, region: &str, per_sec: f64) {
+        if let Some(r) = self.rates.get(region) {
+            r.store(per_sec.to_bits(), Ordering::Relaxed);
+        }
+    }
+
+    /// A copy of the counts so far.
+    pub fn tally(&self) -> Tally {
+        self.tally.lock().map(|t| t.clone()).unwrap_or_default()
+    }
+
+    /// Stops every client and waits for in-flight requests to end.
+    pub async fn stop(mut self) -> Tally {
+        self.stop.send_replace(true);
+        while self.tasks.join_next().await.is_some() {}
+        self.tally()
+    }
+}
+
+struct ClientCtx {
+    client: reqwest::Client,
+    region: String,
+    urls: Vec<String>,
+    body: serde_json::Value,
+    rate: Arc<AtomicU64>,
+    tally: Arc<Mutex<Tally>>,
+    offset: usize,
+}
+
+enum Seen {
+    Lease(i64),
+    Fallback(i64),
+    Denied,
+    Unavailable,
+    Ambiguous,
+}
+
+impl ClientCtx {
+    async fn run(self, mut stop: watch::Receiver<bool>) {
+        let mut n = self.offset;
+        let mut next = tokio::time::Instant::now();
+        loop {
+            let rate = f64::from_bits(self.rate.load(Ordering::Relaxed));
+            let period = if rate > 0.0 {
+                Duration::from_secs_f64(CLIENTS as f64 / rate)
+            } else {
+                Duration::from_millis(100)
+            };
+            next += period;
+            let now = tokio::time::Instant::now();
+            // A client that fell behind (slow answers) does not burst to catch up.
+            if next + Duration::from_secs(1) < now {
+                next = now;
+            }
+            tokio::select! {
+                _ = tokio::time::sleep_until(next) => {},
+                _ = stop.changed() => return,
+            }
+            if *stop.borrow() {
+                return;
+            }
+            if rate <= 0.0 {
+                continue;
+            }
+            n += 1;
+            let url = &self.urls[n % self.urls.len()];
+            let wall = chrono::Utc::now().timestamp();
+            let seen = self.acquire(url).await;
+            self.record(seen, wall);
+        }
+    }
+
+    async fn acquire(&self, url: &str) -> Seen {
+        let Ok(resp) = self.client.post(url).json(&self.body).send().await else { return Seen::Ambiguous };
+        let status = resp.status().as_u16();
+        let Ok(body) = resp.json::<serde_json::Value>().await else { return Seen::Ambiguous };
+        match status {
+            200 => {
+                let Some(ws) = body["window_start"]
+                    .as_str()
+                    .and_then(|s| chrono::DateTime::parse_from_rfc3339(s).ok())
+                    .map(|t| t.timestamp())
+                else {
+                    return Seen::Ambiguous;
+                };
+                if body["source"] == "fallback" {
+                    Seen::Fallback(ws)
+                } else {
+                    Seen::Lease(ws)
+                }
+            }
+            429 => Seen::Denied,
+            503 => Seen::Unavailable,
+            _ => Seen::Ambiguous,
+        }
+    }
+
+    fn record(&self, seen: Seen, wall: i64) {
+        let Ok(mut t) = self.tally.lock() else { return };
+        // Refusals carry no window; the window length is not known here, so
+        // they are filed under the second they were sent and regrouped by
+        // the report once the window length is known.
+        let (ws, f): (i64, fn(&mut Counts)) = match seen {
+            Seen::Lease(ws) => (ws, |c| c.lease += 1),
+            Seen::Fallback(ws) => (ws, |c| c.fallback += 1),
+            Seen::Denied => (wall, |c| c.denied += 1),
+            Seen::Unavailable => (wall, |c| c.unavailable += 1),
+            Seen::Ambiguous => (wall, |c| c.ambiguous += 1),
+        };
+        f(t.entry(ws).or_default().entry(self.region.clone()).or_default());
+    }
+}
+
+/// Regroups `tally` (keys: window starts or seconds) by windows of `secs`.
+pub fn by_window(tally: &Tally, secs: i64) -> Tally {
+    let mut out = Tally::new();
+    for (t, regions) in tally {
+        let ws = t.div_euclid(secs) * secs;
+        let slot = out.entry(ws).or_default();
+        for (r, c) in regions {
+            slot.entry(r.clone()).or_default().add(c);
+        }
+    }
+    out
+}
+
+/// Totals over regions of one window.
+pub fn total(regions: &BTreeMap<String, Counts>) -> Counts {
+    let mut c = Counts::default();
+    for r in regions.values() {
+        c.add(r);
+    }
+    c
+}
