@@ -82,3 +82,32 @@ pub async fn windows(
 fn enc(s: &str) -> String {
     s.replace('+', "%2B").replace(':', "%3A")
 }
+
+/// Waits until the allocator's count of every window in `tally` agrees with
+/// the clients' (the agents' outboxes have drained) and every such window
+/// has closed, then returns the accounts; after `timeout` returns what it
+/// has, so the caller's checks show the difference.
+pub async fn settled(
+    admin: &Http,
+    tenant: &str,
+    resource: &str,
+    tally: &crate::traffic::Tally,
+    secs: i64,
+    timeout: std::time::Duration,
+) -> Result<BTreeMap<i64, WindowAccount>, String> {
+    let grouped = crate::traffic::by_window(tally, secs);
+    let (Some(first), Some(last)) = (grouped.keys().next().copied(), grouped.keys().last().copied()) else {
+        return Ok(BTreeMap::new());
+    };
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        let acc = windows(admin, tenant, resource, first, last + secs).await?;
+        let rows = crate::report::rows(tally, &acc, secs);
+        let closed = grouped.keys().all(|ws| acc.get(ws).is_none_or(|a| a.closed));
+        let agree = closed && crate::report::check_windows(&rows, |_| i64::MAX).is_empty();
+        if agree || tokio::time::Instant::now() >= deadline {
+            return Ok(acc);
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+}

@@ -30,7 +30,7 @@ pub fn ensure() -> Result<Bins, String> {
     if let (Some(cargo), false) = (std::env::var_os("CARGO"), skip) {
         let release = dir.file_name().is_some_and(|n| n == "release");
         let mut cmd = Command::new(cargo);
-        cmd.args(["build", "--quiet", "-p", "allocator", "-p", "regional-agent", "--bins"]);
+        cmd.args(["build", "--quiet", "-p", "chaos", "-p", "allocator", "-p", "regional-agent", "--bins"]);
         if release {
             cmd.arg("--release");
         }

@@ -10,6 +10,7 @@
 //! * [`traffic`]: client processes' ground truth: 200s, 429s and 503s per window.
 //! * [`accounts`]: the allocator's window accounting, read over HTTP.
 //! * [`report`]: per-window tables as text, Markdown and JSON.
+//! * [`chart`]: the same rows as an SVG chart.
 //! * [`scenarios`]: the chaos scenarios and their verdicts.
 //! * [`demo`]: the one-command demo.
 //! * [`bench`]: the benchmarks.
@@ -17,6 +18,7 @@
 pub mod accounts;
 pub mod bench;
 pub mod bins;
+pub mod chart;
 pub mod demo;
 pub mod proxy;
 pub mod report;

@@ -41,9 +41,14 @@ pub struct FaultProxy {
 }
 
 impl FaultProxy {
-    /// A proxy in front of `upstreams` (`host:port` each).
+    /// A proxy on loopback in front of `upstreams` (`host:port` each).
     pub async fn start(upstreams: Vec<String>) -> std::io::Result<FaultProxy> {
-        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        Self::start_on("127.0.0.1", upstreams).await
+    }
+
+    /// A proxy listening on `ip` (e.g. the host end of a veth pair).
+    pub async fn start_on(ip: &str, upstreams: Vec<String>) -> std::io::Result<FaultProxy> {
+        let listener = TcpListener::bind((ip, 0)).await?;
         let addr = listener.local_addr()?.to_string();
         let (state, _) = watch::channel(Fault::Pass);
         let accepted = Arc::new(AtomicU64::new(0));

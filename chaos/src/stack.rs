@@ -214,3 +214,36 @@ impl Stack {
 fn pg_link_target(url: &str) -> String {
     url.split('@').nth(1).and_then(|r| r.split('/').next()).unwrap_or_default().to_string()
 }
+
+impl Stack {
+    /// Creates or replaces the policy of `tenant/resource`.
+    pub async fn put_policy(
+        &self,
+        tenant: &str,
+        resource: &str,
+        body: serde_json::Value,
+    ) -> Result<(), String> {
+        let resp = self.admin.put(&format!("/v1/policies/{tenant}/{resource}"), &body).await;
+        if resp.status != 200 {
+            return Err(format!("PUT policy {tenant}/{resource}: {} {}", resp.status, resp.body));
+        }
+        Ok(())
+    }
+}
+
+impl Stack {
+    /// Copies every process's log into `dir` (kept after the stack is gone).
+    pub fn save_logs(&self, dir: &std::path::Path) -> Result<(), String> {
+        std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        let entries = std::fs::read_dir(self.dir.path()).map_err(|e| e.to_string())?;
+        for e in entries.flatten() {
+            let _ = std::fs::copy(e.path(), dir.join(e.file_name()));
+        }
+        for r in &self.regions {
+            for a in &r.agents {
+                let _ = std::fs::write(dir.join(format!("agent-{}.log", a.opts.agent)), a.log());
+            }
+        }
+        Ok(())
+    }
+}

@@ -24,8 +24,15 @@ pub struct Counts {
     pub denied: u64,
     /// 503 (`allocator_unreachable` or `store_unavailable`).
     pub unavailable: u64,
-    /// No answer, or an answer that was neither of the above.
+    /// No answer, or an answer that was neither of the above: the agent
+    /// may or may not have admitted these.
     pub ambiguous: u64,
+    /// The connection was refused (agent down): certainly not admitted.
+    pub refused: u64,
+    /// Latest instant (Unix ms, this host's clock) a request was sent that
+    /// was then admitted into this window; after the window's end it would
+    /// be an admit on an expired lease (I2).
+    pub last_admit_sent_ms: i64,
 }
 
 impl Counts {
@@ -41,6 +48,8 @@ impl Counts {
         self.denied += o.denied;
         self.unavailable += o.unavailable;
         self.ambiguous += o.ambiguous;
+        self.refused += o.refused;
+        self.last_admit_sent_ms = self.last_admit_sent_ms.max(o.last_admit_sent_ms);
     }
 }
 
@@ -136,6 +145,7 @@ enum Seen {
     Denied,
     Unavailable,
     Ambiguous,
+    Refused,
 }
 
 impl ClientCtx {
@@ -167,14 +177,18 @@ impl ClientCtx {
             }
             n += 1;
             let url = &self.urls[n % self.urls.len()];
-            let wall = chrono::Utc::now().timestamp();
+            let sent_ms = chrono::Utc::now().timestamp_millis();
             let seen = self.acquire(url).await;
-            self.record(seen, wall);
+            self.record(seen, sent_ms);
         }
     }
 
     async fn acquire(&self, url: &str) -> Seen {
-        let Ok(resp) = self.client.post(url).json(&self.body).send().await else { return Seen::Ambiguous };
+        let resp = match self.client.post(url).json(&self.body).send().await {
+            Ok(r) => r,
+            Err(e) if e.is_connect() => return Seen::Refused,
+            Err(_) => return Seen::Ambiguous,
+        };
         let status = resp.status().as_u16();
         let Ok(body) = resp.json::<serde_json::Value>().await else { return Seen::Ambiguous };
         match status {
@@ -198,19 +212,25 @@ impl ClientCtx {
         }
     }
 
-    fn record(&self, seen: Seen, wall: i64) {
+    fn record(&self, seen: Seen, sent_ms: i64) {
         let Ok(mut t) = self.tally.lock() else { return };
         // Refusals carry no window; the window length is not known here, so
         // they are filed under the second they were sent and regrouped by
         // the report once the window length is known.
+        let wall = sent_ms.div_euclid(1000);
         let (ws, f): (i64, fn(&mut Counts)) = match seen {
             Seen::Lease(ws) => (ws, |c| c.lease += 1),
             Seen::Fallback(ws) => (ws, |c| c.fallback += 1),
             Seen::Denied => (wall, |c| c.denied += 1),
             Seen::Unavailable => (wall, |c| c.unavailable += 1),
             Seen::Ambiguous => (wall, |c| c.ambiguous += 1),
+            Seen::Refused => (wall, |c| c.refused += 1),
         };
-        f(t.entry(ws).or_default().entry(self.region.clone()).or_default());
+        let c = t.entry(ws).or_default().entry(self.region.clone()).or_default();
+        f(c);
+        if matches!(seen, Seen::Lease(_) | Seen::Fallback(_)) {
+            c.last_admit_sent_ms = c.last_admit_sent_ms.max(sent_ms);
+        }
     }
 }
 
@@ -234,4 +254,30 @@ pub fn total(regions: &BTreeMap<String, Counts>) -> Counts {
         c.add(r);
     }
     c
+}
+
+/// One region's counts summed over every window.
+pub fn region_total(tally: &Tally, region: &str) -> Counts {
+    let mut c = Counts::default();
+    for regions in tally.values() {
+        if let Some(r) = regions.get(region) {
+            c.add(r);
+        }
+    }
+    c
+}
+
+impl Counts {
+    /// What was counted since `before` (an earlier total).
+    pub fn since(&self, before: &Counts) -> Counts {
+        Counts {
+            lease: self.lease - before.lease,
+            fallback: self.fallback - before.fallback,
+            denied: self.denied - before.denied,
+            unavailable: self.unavailable - before.unavailable,
+            ambiguous: self.ambiguous - before.ambiguous,
+            refused: self.refused - before.refused,
+            last_admit_sent_ms: self.last_admit_sent_ms,
+        }
+    }
 }

@@ -71,6 +71,17 @@ pub struct Config {
     /// `text` or `json`.
     #[arg(long, env = "LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
+
+    /// For chaos tests only: shifts this agent's wall clock by this many ms
+    /// (±), to show that skew cannot extend a lease (I2).
+    #[arg(
+        long,
+        env = "AGENT_TEST_CLOCK_OFFSET_MS",
+        default_value_t = 0,
+        hide = true,
+        allow_hyphen_values = true
+    )]
+    pub test_clock_offset_ms: i64,
 }
 
 /// The validated settings the agent runs with.
@@ -89,6 +100,7 @@ pub struct Settings {
     pub redis_timeout: Duration,
     pub acquire_wait: Duration,
     pub outbox_interval: Duration,
+    pub test_clock_offset_ms: i64,
 }
 
 fn required(v: &Option<String>, flag: &str, env: &str) -> Result<String, String> {
@@ -134,6 +146,7 @@ impl Config {
             redis_timeout: Duration::from_millis(self.redis_timeout_ms.max(1)),
             acquire_wait: Duration::from_millis(self.acquire_wait_ms),
             outbox_interval: Duration::from_millis(self.outbox_interval_ms.max(10)),
+            test_clock_offset_ms: self.test_clock_offset_ms,
         })
     }
 }

@@ -76,7 +76,7 @@ use crate::quotas::{Quota, Quotas};
 use crate::store::Store;
 use axum::extract::{DefaultBodyLimit, Request};
 use axum::Router;
-use quota_shared::clock::{Clock, SystemClock};
+use quota_shared::clock::{Clock, OffsetClock, SystemClock};
 use quota_shared::prom::Registry;
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -123,6 +123,13 @@ impl App {
         )?;
         let metrics = Registry::default();
         health::describe(&metrics);
+        let clock: Arc<dyn Clock> = match settings.test_clock_offset_ms {
+            0 => Arc::new(SystemClock),
+            ms => {
+                tracing::warn!(offset_ms = ms, "wall clock shifted for testing (--test-clock-offset-ms)");
+                Arc::new(OffsetClock::new(chrono::Duration::milliseconds(ms)))
+            }
+        };
         Ok(Arc::new(App {
             keys: Keys::new(&settings.redis_prefix),
             settings,
@@ -131,7 +138,7 @@ impl App {
             quotas: Quotas::default(),
             ident: Identity::default(),
             metrics,
-            clock: Arc::new(SystemClock),
+            clock,
             region_fresh: AtomicBool::new(false),
             local: fallback::LocalFallback::default(),
             cancel: CancellationToken::new(),

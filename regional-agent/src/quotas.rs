@@ -4,7 +4,7 @@
 //! measured demand and the renewer's last view. The map is bounded by
 //! [`MAX_QUOTAS`]; a quota beyond it is refused rather than growing memory.
 
-use quota_shared::wire::{FailMode, GrantResponse};
+use quota_shared::wire::{FailMode, GrantRequest, GrantResponse};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -120,6 +120,10 @@ pub struct RenewState {
     pub next_not_before: Option<Instant>,
     /// Smoothed grant round trip, ms.
     pub rtt_ms: f64,
+    /// A grant whose answer never came (timeout, reset, 5xx), with when it
+    /// was first sent: the next attempt resends it unchanged, so that a
+    /// grant that did commit is replayed (I3) instead of debited twice.
+    pub unanswered: Option<(GrantRequest, Instant)>,
 }
 
 /// One quota.

@@ -29,6 +29,9 @@ use std::time::{Duration, Instant};
 const SAFETY_MS: i64 = 5;
 /// A quota unused this long is looked at once a second only.
 const IDLE_AFTER: Duration = Duration::from_secs(30);
+/// How long an unanswered grant is resent unchanged; past it a fresh
+/// request is cheaper than replaying a lease that has likely expired.
+const RESEND_UNANSWERED_FOR: Duration = Duration::from_secs(10);
 
 /// Reads the policy other replicas cached in Redis.
 pub async fn load_policy(app: &AppState, q: &Quota) -> Option<PolicyInfo> {
@@ -221,20 +224,29 @@ where
 
 /// One grant request and what follows from its answer.
 async fn grant(app: &AppState, q: &Arc<Quota>, sel: WindowSel, want: i64, rate: f64) {
-    let (epoch, seq) = app.ident.next_seq();
-    if epoch == 0 {
-        return;
-    }
-    let req = GrantRequest {
-        tenant: q.tenant.clone(),
-        resource: q.resource.clone(),
-        region: app.settings.region.clone(),
-        agent: app.settings.agent.clone(),
-        epoch,
-        seq,
-        want,
-        demand_per_sec: if rate.is_finite() { rate.max(0.0) } else { 0.0 },
-        window: Some(sel),
+    let retry = q.renew.lock().unwrap().unanswered.take().filter(|(p, first)| {
+        p.window == Some(sel) && p.epoch == app.ident.epoch() && first.elapsed() < RESEND_UNANSWERED_FOR
+    });
+    let (req, first_sent) = match retry {
+        Some(r) => r,
+        None => {
+            let (epoch, seq) = app.ident.next_seq();
+            if epoch == 0 {
+                return;
+            }
+            let req = GrantRequest {
+                tenant: q.tenant.clone(),
+                resource: q.resource.clone(),
+                region: app.settings.region.clone(),
+                agent: app.settings.agent.clone(),
+                epoch,
+                seq,
+                want,
+                demand_per_sec: if rate.is_finite() { rate.max(0.0) } else { 0.0 },
+                window: Some(sel),
+            };
+            (req, Instant::now())
+        }
     };
     let sent = Instant::now();
     let result = app.alloc.grant(&req).await;
@@ -278,6 +290,7 @@ async fn grant(app: &AppState, q: &Arc<Quota>, sel: WindowSel, want: i64, rate: 
         }
         Err(CallError::Unreachable(why)) => {
             let mut r = q.renew.lock().unwrap();
+            r.unanswered = Some((req, first_sent));
             r.failures += 1;
             r.not_before = Some(
                 Instant::now() + backoff(r.failures, Duration::from_millis(100), Duration::from_secs(5)),

@@ -23,6 +23,9 @@ pub struct AgentOpts {
     pub redis: String,
     /// Extra environment variables (e.g. `AGENT_ALLOCATOR_TIMEOUT_MS`).
     pub env: Vec<(String, String)>,
+    /// Address the agent listens on (loopback unless it runs in a network
+    /// namespace of its own).
+    pub host: String,
 }
 
 impl AgentOpts {
@@ -34,13 +37,14 @@ impl AgentOpts {
             allocator: allocator.into(),
             redis: redis.into(),
             env: vec![("AGENT_ALLOCATOR_TIMEOUT_MS".into(), "400".into())],
+            host: "127.0.0.1".into(),
         }
     }
 }
 
 /// A running agent process.
 pub struct AgentProc {
-    /// `http://127.0.0.1:PORT`.
+    /// `http://HOST:PORT`.
     pub base: String,
     /// A client for it.
     pub http: Http,
@@ -56,7 +60,7 @@ impl AgentProc {
     /// Starts `bin` with `opts` and waits until it has registered.
     pub async fn spawn(bin: &Path, opts: AgentOpts) -> AgentProc {
         let port = crate::free_port();
-        let base = format!("http://127.0.0.1:{port}");
+        let base = format!("http://{}:{port}", opts.host);
         let mut a = AgentProc {
             http: Http::new(&base),
             base,
@@ -77,7 +81,7 @@ impl AgentProc {
             .env("AGENT_ID", &self.opts.agent)
             .env("ALLOCATOR_URL", &self.opts.allocator)
             .env("REDIS_URL", &self.opts.redis)
-            .env("AGENT_LISTEN", format!("127.0.0.1:{}", self.port))
+            .env("AGENT_LISTEN", format!("{}:{}", self.opts.host, self.port))
             .env("RUST_LOG", std::env::var("AGENT_LOG").unwrap_or_else(|_| "info".into()));
         for (k, v) in &self.opts.env {
             cmd.env(k, v);
@@ -110,6 +114,13 @@ impl AgentProc {
     /// Sends `sig` and waits for the exit (SIGKILL after 10 s).
     pub fn stop(&mut self, sig: i32) -> Option<std::process::ExitStatus> {
         self.child.take().and_then(|mut c| c.stop(sig, Duration::from_secs(10)))
+    }
+
+    /// Sends `sig` without waiting (SIGSTOP / SIGCONT of a paused agent).
+    pub fn signal(&self, sig: i32) {
+        if let Some(c) = &self.child {
+            c.signal(sig);
+        }
     }
 
     /// The log of the latest start.

@@ -37,6 +37,9 @@ impl Child {
         if let Some((uid, gid)) = user {
             cmd.uid(uid).gid(gid);
         }
+        // A process group of its own: Ctrl-C in a terminal reaches only the
+        // owner, which then stops its children in order.
+        cmd.process_group(0);
         // SAFETY: prctl is async-signal-safe; it runs after setuid, which
         // would otherwise clear the death signal.
         unsafe {

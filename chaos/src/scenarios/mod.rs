@@ -1,19 +1,139 @@
-//! `cargo lab chaos`: being written (issue 5).
+//! `cargo lab chaos`: scenarios that run the real binaries with faults
+//! injected between them, drive traffic from clients and check DESIGN §3
+//! with numbers.
+//!
+//! Every scenario starts its own [`Stack`], puts a policy, drives traffic,
+//! injects its faults, heals, waits until the agents' outboxes have drained
+//! and then checks, per window, from the clients' ground truth:
+//!
+//! * admitted ≤ the bound the policy documents (I6): `G + Σ fallback`
+//!   (`G` in strict mode);
+//! * no request sent after a window ended was admitted into it (I2);
+//! * the allocator's accounting equals the clients' count (I7), up to
+//!   requests whose answer was lost (each may or may not have been admitted);
+//!
+//! plus the checks of its own (I1, I3, I4, ledger events, epochs).
 
+mod faults;
+mod harness;
+mod netns;
+mod outcomes;
+
+use crate::bins;
+use crate::report::{self, ScenarioReport};
 use clap::Args;
+pub use harness::{Profile, Run};
 
 /// Flags of `quota-lab chaos`.
 #[derive(Debug, Args)]
 pub struct ChaosArgs {
-    /// `short` (small windows, CI) or `long` (soak).
-    #[arg(long, default_value = "short")]
+    /// `short` (4 s windows, every scenario in a few minutes) or `long`
+    /// (30 s windows, for soak runs).
+    #[arg(long, default_value = "short", value_parser = ["short", "long"])]
     pub profile: String,
-    /// Runs only this scenario.
-    #[arg(long)]
+    /// Runs only this scenario (see `--list`).
+    #[arg(long, value_parser = clap::builder::PossibleValuesParser::new(SCENARIOS.iter().map(|(n, _)| *n)))]
     pub scenario: Option<String>,
+    /// Lists the scenarios and exits.
+    #[arg(long)]
+    pub list: bool,
+    /// Directory for `report.json` and `report.md` (default `target/chaos`).
+    #[arg(long)]
+    pub out: Option<std::path::PathBuf>,
+}
+
+/// Every scenario, in the order they run, with what it shows.
+pub const SCENARIOS: &[(&str, &str)] = &[
+    ("partition-bounded", "a region cut off from the allocator for 2+ windows, bounded fallback"),
+    ("partition-strict", "the same in strict mode: admitted <= G, 503 and never 429"),
+    ("lost-grant-replies", "grant replies swallowed, agents retry: replays, no double debit"),
+    ("allocator-kill", "one of two allocator replicas SIGKILLed mid-traffic and restarted"),
+    ("agent-restart", "an agent SIGKILLed and restarted: new epoch, old epoch refused"),
+    ("redis-restart-empty", "a region's Redis restarted empty mid-window"),
+    ("postgres-restart", "PostgreSQL killed and restarted: agents serve from leases"),
+    ("clock-skew", "agents with wall clocks 30 s ahead and behind"),
+    ("demand-skew", "DESIGN §4 skew and contention outcomes, rollover without a gap"),
+    ("zombie", "an old agent incarnation keeps sending after its re-registration"),
+    ("paused-agent", "an agent SIGSTOPped past its leases' life, then SIGCONTed"),
+    ("netns-partition", "a region cut off at the kernel level (network namespace)"),
+];
+
+async fn run_one(name: &str, p: &Profile, bins: &bins::Bins) -> Result<ScenarioReport, String> {
+    let b = bins.clone();
+    match name {
+        "partition-bounded" => faults::partition(p, b, false).await,
+        "partition-strict" => faults::partition(p, b, true).await,
+        "lost-grant-replies" => faults::lost_replies(p, b).await,
+        "allocator-kill" => faults::allocator_kill(p, b).await,
+        "agent-restart" => faults::agent_restart(p, b).await,
+        "redis-restart-empty" => faults::redis_restart(p, b).await,
+        "postgres-restart" => faults::postgres_restart(p, b).await,
+        "clock-skew" => faults::clock_skew(p, b).await,
+        "demand-skew" => outcomes::demand_skew(p, b).await,
+        "zombie" => faults::zombie(p, b).await,
+        "paused-agent" => faults::paused_agent(p, b).await,
+        "netns-partition" => faults::netns_partition(p, b).await,
+        other => Err(format!("unknown scenario {other:?}; `quota-lab chaos --list` names them")),
+    }
 }
 
 /// Runs the scenarios; `Ok(false)` when a verdict fails.
-pub async fn run(_args: ChaosArgs) -> Result<bool, String> {
-    Err("chaos is not written yet".into())
+pub async fn run(args: ChaosArgs) -> Result<bool, String> {
+    if args.list {
+        for (name, what) in SCENARIOS {
+            println!("{name:<22} {what}");
+        }
+        return Ok(true);
+    }
+    let names: Vec<&str> = match &args.scenario {
+        Some(s) => {
+            if !SCENARIOS.iter().any(|(n, _)| n == s) {
+                return Err(format!("unknown scenario {s:?}; `quota-lab chaos --list` names them"));
+            }
+            vec![s.as_str()]
+        }
+        None => SCENARIOS.iter().map(|(n, _)| *n).collect(),
+    };
+    bins::check_servers()?;
+    let bins = bins::ensure()?;
+    let profile = Profile::named(&args.profile);
+    let mut reports = Vec::new();
+    for (i, name) in names.iter().enumerate() {
+        eprintln!("chaos: [{}/{}] {name} ({} profile)", i + 1, names.len(), profile.name);
+        let rep = match run_one(name, &profile, &bins).await {
+            Ok(r) => r,
+            Err(e) => ScenarioReport {
+                scenario: name.to_string(),
+                verdict: "fail",
+                windows: Vec::new(),
+                notes: vec![format!("the scenario could not run: {e}")],
+                seconds: 0.0,
+            },
+        };
+        println!("{}", report::text_table(&rep));
+        reports.push(rep);
+    }
+    let out = args.out.clone().unwrap_or_else(|| report::target_dir().join("chaos"));
+    let command = format!(
+        "cargo lab chaos --profile {}{}",
+        profile.name,
+        args.scenario.as_deref().map(|s| format!(" --scenario {s}")).unwrap_or_default()
+    );
+    // A skipped scenario has no verdict; it is named in report.md only.
+    let judged: Vec<&ScenarioReport> = reports.iter().filter(|r| r.verdict != "skipped").collect();
+    report::write_json(&out.join("report.json"), &judged)?;
+    std::fs::write(out.join("report.md"), report::markdown(&reports, &command))
+        .map_err(|e| format!("{}: {e}", out.display()))?;
+    let failed: Vec<&str> =
+        reports.iter().filter(|r| r.verdict != "pass").map(|r| r.scenario.as_str()).collect();
+    let skipped = reports.iter().filter(|r| r.verdict == "skipped").count();
+    println!(
+        "chaos: {} scenario(s), {} passed, {} failed{}; report: {}",
+        reports.len(),
+        reports.len() - failed.len(),
+        failed.len() - skipped,
+        if skipped > 0 { format!(", {skipped} skipped") } else { String::new() },
+        out.join("report.json").display()
+    );
+    Ok(failed.len() == skipped)
 }

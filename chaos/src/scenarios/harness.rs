@@ -1,0 +1,245 @@
+//! What every scenario does around its faults: a stack, a policy, traffic,
+//! timed phases, and the closing checks that turn ground truth into a
+//! verdict.
+
+use crate::accounts;
+use crate::bins::Bins;
+use crate::report::{self, ScenarioReport};
+use crate::stack::{Stack, StackSpec};
+use crate::traffic::{RegionLoad, Tally, Traffic};
+use std::time::{Duration, Instant};
+
+/// Window length, pool size and phase length of a run.
+#[derive(Debug, Clone)]
+pub struct Profile {
+    pub name: &'static str,
+    pub window_secs: i64,
+    /// G per window.
+    pub limit: i64,
+    /// Fallback allowance per region and window.
+    pub fallback: i64,
+}
+
+impl Profile {
+    /// `short` or `long` (anything else is `short`).
+    pub fn named(name: &str) -> Profile {
+        match name {
+            "long" => Profile { name: "long", window_secs: 30, limit: 3000, fallback: 300 },
+            _ => Profile { name: "short", window_secs: 4, limit: 1000, fallback: 100 },
+        }
+    }
+
+    /// A rate that offers `share` of G per window.
+    pub fn rate(&self, share: f64) -> f64 {
+        self.limit as f64 * share / self.window_secs as f64
+    }
+
+    /// `n` windows.
+    pub fn windows(&self, n: f64) -> Duration {
+        Duration::from_secs_f64(self.window_secs as f64 * n)
+    }
+}
+
+/// The quota every scenario uses.
+pub const TENANT: &str = "chaos";
+pub const RESOURCE: &str = "calls";
+
+/// One scenario run in progress.
+pub struct Run {
+    pub name: &'static str,
+    pub p: Profile,
+    pub stack: Stack,
+    pub strict: bool,
+    pub traffic: Option<Traffic>,
+    pub notes: Vec<String>,
+    pub failed: Vec<String>,
+    /// Database of the stack, for checks on the ledger and the pools.
+    pub db: sqlx::PgPool,
+    pub started_at: chrono::DateTime<chrono::Utc>,
+    started: Instant,
+}
+
+impl Run {
+    /// Starts a stack (`eu` with two agents, `us` with one unless `spec`
+    /// says otherwise) and puts the policy.
+    pub async fn start(
+        name: &'static str,
+        p: &Profile,
+        bins: Bins,
+        spec: Option<StackSpec>,
+        strict: bool,
+    ) -> Result<Run, String> {
+        let spec = spec.unwrap_or(StackSpec {
+            regions: vec![("eu".into(), 2), ("us".into(), 1)],
+            allocators: 1,
+            agent_env: Vec::new(),
+        });
+        let stack = Stack::start(bins, &spec, &|m| eprintln!("chaos:   {m}")).await?;
+        let policy = serde_json::json!({
+            "limit": p.limit, "window_secs": p.window_secs,
+            "fallback_per_region": if strict { 0 } else { p.fallback },
+            "fail_mode": if strict { "strict" } else { "bounded" },
+        });
+        stack.put_policy(TENANT, RESOURCE, policy).await?;
+        let db = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(2)
+            .acquire_timeout(Duration::from_secs(10))
+            .connect(&stack.db.url)
+            .await
+            .map_err(|e| format!("connect to the stack's database: {e}"))?;
+        Ok(Run {
+            name,
+            p: p.clone(),
+            stack,
+            strict,
+            traffic: None,
+            notes: Vec::new(),
+            failed: Vec::new(),
+            db,
+            started_at: chrono::Utc::now(),
+            started: Instant::now(),
+        })
+    }
+
+    /// Starts traffic: `(region, share of G per window)`.
+    pub fn traffic(&mut self, shares: &[(&str, f64)]) {
+        let loads: Vec<RegionLoad> = self
+            .stack
+            .agent_urls()
+            .into_iter()
+            .filter_map(|(region, agents)| {
+                let share = shares.iter().find(|(r, _)| *r == region)?.1;
+                Some(RegionLoad { region, agents, rate_per_sec: self.p.rate(share) })
+            })
+            .collect();
+        self.traffic = Some(Traffic::start(TENANT, RESOURCE, &loads));
+    }
+
+    /// Changes a region's offered share of G.
+    pub fn set_share(&self, region: &str, share: f64) {
+        if let Some(t) = &self.traffic {
+            t.set_rate(region, self.p.rate(share));
+        }
+    }
+
+    /// Lets `n` windows of traffic pass.
+    pub async fn pass(&self, n: f64) {
+        tokio::time::sleep(self.p.windows(n)).await;
+    }
+
+    /// The clients' counts so far.
+    pub fn tally(&self) -> Tally {
+        self.traffic.as_ref().map(|t| t.tally()).unwrap_or_default()
+    }
+
+    /// Records a check: a failure fails the scenario; both are noted.
+    pub fn check(&mut self, ok: bool, what: impl Into<String>) {
+        let what = what.into();
+        if ok {
+            self.notes.push(format!("ok: {what}"));
+        } else {
+            self.failed.push(what);
+        }
+    }
+
+    /// A note on what the scenario did.
+    pub fn note(&mut self, what: impl Into<String>) {
+        self.notes.push(what.into());
+    }
+
+    /// The bound the policy documents for a window (I6).
+    pub fn bound(&self) -> i64 {
+        if self.strict {
+            self.p.limit
+        } else {
+            self.p.limit + self.p.fallback * self.stack.regions.len() as i64
+        }
+    }
+
+    /// Ledger events of the quota since the run started, by `kind` or
+    /// `kind/reason`.
+    pub async fn ledger_count(&self, kind: &str) -> Result<i64, String> {
+        let rows: Vec<(String, String, i64)> = sqlx::query_as(include_str!("../sql/ledger_kinds.sql"))
+            .bind(TENANT)
+            .bind(RESOURCE)
+            .bind(self.started_at)
+            .fetch_all(&self.db)
+            .await
+            .map_err(|e| format!("ledger query: {e}"))?;
+        Ok(rows.iter().filter(|(k, r, _)| k == kind || format!("{k}/{r}") == kind).map(|(_, _, n)| *n).sum())
+    }
+
+    /// One-number query of `sql` with the quota bound as $1, $2.
+    pub async fn count_sql(&self, sql: &str) -> Result<i64, String> {
+        sqlx::query_scalar(sql)
+            .bind(TENANT)
+            .bind(RESOURCE)
+            .fetch_one(&self.db)
+            .await
+            .map_err(|e| format!("query: {e}"))
+    }
+
+    /// [`Run::finish_with`] without checks of the scenario's own.
+    pub async fn finish(self) -> Result<ScenarioReport, String> {
+        self.finish_with(|_, _| Vec::new()).await
+    }
+
+    /// Stops traffic, heals every link, waits for the outboxes to drain,
+    /// makes the common checks, the I1 check and `extra` (on the rows and
+    /// the raw tally), and stops the stack.
+    pub async fn finish_with(
+        mut self,
+        extra: impl FnOnce(&[report::WindowRow], &Tally) -> Vec<(bool, String)>,
+    ) -> Result<ScenarioReport, String> {
+        let tally = match self.traffic.take() {
+            Some(t) => t.stop().await,
+            None => Tally::new(),
+        };
+        self.stack.pg_link.set(crate::proxy::Fault::Pass);
+        for r in &self.stack.regions {
+            r.alloc_link.set(crate::proxy::Fault::Pass);
+            r.redis_link.set(crate::proxy::Fault::Pass);
+        }
+        let secs = self.p.window_secs;
+        let settle = Duration::from_secs(secs as u64 + 20);
+        let acc = accounts::settled(&self.stack.admin, TENANT, RESOURCE, &tally, secs, settle).await?;
+        let rows = report::rows(&tally, &acc, secs);
+        let bound = self.bound();
+        self.failed.extend(report::check_windows(&rows, |_| bound));
+        let bad_pools: Vec<(i64, i64, i64, i64, i64)> =
+            sqlx::query_as(include_str!("../sql/pools_oversubscribed.sql"))
+                .bind(TENANT)
+                .bind(RESOURCE)
+                .fetch_all(&self.db)
+                .await
+                .map_err(|e| format!("pool query: {e}"))?;
+        for (ws, limit, granted, returned, leases) in &bad_pools {
+            self.failed.push(format!(
+                "pool {ws}: limit {limit}, granted {granted}, returned {returned}, leases hold {leases} (I1)"
+            ));
+        }
+        for (ok, what) in extra(&rows, &tally) {
+            self.check(ok, what);
+        }
+        let admitted: u64 = rows.iter().map(|r| r.admitted).sum();
+        if admitted == 0 {
+            self.failed.push("no request was admitted at all: the scenario exercised nothing".into());
+        }
+        let windows = rows.len();
+        self.notes.push(format!("{windows} windows, {admitted} admitted, bound per window {bound}"));
+        if !self.failed.is_empty() {
+            let dir = report::target_dir().join("chaos").join("logs").join(self.name);
+            match self.stack.save_logs(&dir) {
+                Ok(()) => self.notes.push(format!("logs kept in {}", dir.display())),
+                Err(e) => self.notes.push(format!("logs could not be kept: {e}")),
+            }
+        }
+        let verdict = if self.failed.is_empty() { "pass" } else { "fail" };
+        let mut notes: Vec<String> = self.failed.iter().map(|f| format!("FAILED: {f}")).collect();
+        notes.append(&mut self.notes);
+        let seconds = self.started.elapsed().as_secs_f64();
+        self.db.close().await;
+        self.stack.shutdown().await;
+        Ok(ScenarioReport { scenario: self.name.to_string(), verdict, windows: rows, notes, seconds })
+    }
+}
