@@ -121,7 +121,10 @@ pub struct Explanation {
     pub fallback: ExplainFallback,
     /// The region's latest refusals for this quota up to `at`, newest first.
     pub refusals: Vec<Event>,
-    /// `leased`, `fallback`, `exhausted`, `no demand` or `idle`.
+    /// The first that applies: `leased` (a live lease at `at`), `fallback`
+    /// (the region reported fallback admits in the window), `no demand` (no
+    /// lease and no demand stated), `exhausted` (a grant got 0 tokens or the
+    /// pool has none left), else `idle`.
     pub verdict: String,
     /// One sentence saying why.
     pub reason: String,
@@ -260,6 +263,8 @@ pub(crate) async fn explain(
                 fallback.admitted, fallback.allowance, fallback.left
             ),
         )
+    } else if region_account.demand_per_sec == 0.0 && rows.is_empty() {
+        ("no demand", "the region asked for nothing in this window".to_string())
     } else if pool_view.available == 0 || empty_grant.is_some() {
         let asked = empty_grant.map(|l| format!(", its grant seq {} got 0 tokens", l.seq)).unwrap_or_default();
         (
@@ -269,8 +274,6 @@ pub(crate) async fn explain(
                 pool_view.available, pool_view.limit
             ),
         )
-    } else if region_account.demand_per_sec == 0.0 && rows.is_empty() {
-        ("no demand", "the region asked for nothing in this window".to_string())
     } else {
         ("idle", "the region holds no live lease; its agent renews on its next demand".to_string())
     };
