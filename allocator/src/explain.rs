@@ -168,7 +168,8 @@ pub(crate) async fn explain(
     check_id("resource", &resource)?;
     let region = q.region.ok_or_else(|| Error::invalid("region", "is required"))?;
     check_id("region", &region)?;
-    let at = q.at.as_deref().map(|s| parse_time("at", s)).transpose()?.unwrap_or_else(|| state.clock.now_utc());
+    let at =
+        q.at.as_deref().map(|s| parse_time("at", s)).transpose()?.unwrap_or_else(|| state.clock.now_utc());
     let quota = format!("{tenant}/{resource}");
     let policy = match policies::at(&state.db, &tenant, &resource, at).await? {
         Some(p) => p,
@@ -225,7 +226,8 @@ pub(crate) async fn explain(
         last_want: pool.as_ref().and_then(|p| p.r_last_want).unwrap_or(0),
         demand_at: pool.as_ref().and_then(|p| p.r_demand_at),
     };
-    let allowance = pool.as_ref().map(|p| p.fallback_per_region).unwrap_or_else(|| policy.fallback_allowance());
+    let allowance =
+        pool.as_ref().map(|p| p.fallback_per_region).unwrap_or_else(|| policy.fallback_allowance());
     let fallback_admitted = pool.as_ref().and_then(|p| p.r_fallback).unwrap_or(0);
     let fallback = ExplainFallback {
         allowance,
@@ -266,7 +268,8 @@ pub(crate) async fn explain(
     } else if region_account.demand_per_sec == 0.0 && rows.is_empty() {
         ("no demand", "the region asked for nothing in this window".to_string())
     } else if pool_view.available == 0 || empty_grant.is_some() {
-        let asked = empty_grant.map(|l| format!(", its grant seq {} got 0 tokens", l.seq)).unwrap_or_default();
+        let asked =
+            empty_grant.map(|l| format!(", its grant seq {} got 0 tokens", l.seq)).unwrap_or_default();
         (
             "exhausted",
             format!(

@@ -220,7 +220,10 @@ async fn page(db: &PgPool, f: &Filter, after: Cursor, limit: i64) -> Result<Vec<
     security(("admin_token" = [])),
     tag = "operator"
 )]
-pub(crate) async fn list(State(state): State<AppState>, ApiQuery(q): ApiQuery<LedgerQuery>) -> Result<Response> {
+pub(crate) async fn list(
+    State(state): State<AppState>,
+    ApiQuery(q): ApiQuery<LedgerQuery>,
+) -> Result<Response> {
     for (field, v) in [("tenant", &q.tenant), ("resource", &q.resource), ("region", &q.region)] {
         if let Some(v) = v {
             check_id(field, v)?;
@@ -234,7 +237,10 @@ pub(crate) async fn list(State(state): State<AppState>, ApiQuery(q): ApiQuery<Le
         "json" => {}
         "ndjson" => {
             if q.limit.is_some() {
-                return Err(Error::invalid("limit", "format=ndjson exports every matching event; omit limit"));
+                return Err(Error::invalid(
+                    "limit",
+                    "format=ndjson exports every matching event; omit limit",
+                ));
             }
             return Ok(export(state.db.clone(), filter, cursor.unwrap_or_default()));
         }

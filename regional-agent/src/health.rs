@@ -26,7 +26,10 @@ pub fn router() -> Router<AppState> {
 /// The agent's API description, generated from the handlers' annotations.
 #[derive(utoipa::OpenApi)]
 #[openapi(
-    info(title = "quota regional agent", description = "Admission decisions from leases spent in the region's Redis (DESIGN §5)."),
+    info(
+        title = "quota regional agent",
+        description = "Admission decisions from leases spent in the region's Redis (DESIGN §5)."
+    ),
     paths(crate::spend::acquire, status, healthz, readyz, metrics, openapi_json)
 )]
 pub struct ApiDoc;

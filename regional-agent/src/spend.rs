@@ -114,7 +114,10 @@ fn parse(body: std::result::Result<Bytes, BytesRejection>) -> Result<AcquireRequ
     ),
     tag = "agent"
 )]
-pub(crate) async fn acquire(State(app): State<AppState>, body: std::result::Result<Bytes, BytesRejection>) -> Response {
+pub(crate) async fn acquire(
+    State(app): State<AppState>,
+    body: std::result::Result<Bytes, BytesRejection>,
+) -> Response {
     let started = Instant::now();
     let mut policy = None;
     let mut name = String::from("unknown");

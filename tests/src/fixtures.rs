@@ -94,7 +94,14 @@ pub async fn table_counts(db: &sqlx::PgPool) -> Vec<(String, i64)> {
 }
 
 /// A report body of one item for `{region}-1`.
-pub fn report_body(region: &str, epoch: i64, id: &str, window_start: &Value, consumed: i64, fallback: i64) -> Value {
+pub fn report_body(
+    region: &str,
+    epoch: i64,
+    id: &str,
+    window_start: &Value,
+    consumed: i64,
+    fallback: i64,
+) -> Value {
     json!({"region": region, "agent": format!("{region}-1"), "epoch": epoch, "report_id": id,
         "items": [{"tenant": "atlas", "resource": "read", "window_start": window_start,
                    "consumed": consumed, "fallback_admitted": fallback}]})

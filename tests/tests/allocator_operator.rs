@@ -122,7 +122,10 @@ async fn ledger_cursor_does_not_skip_an_event_that_commits_late() {
     }
     let mut cursor = String::new();
     let first = read_to_end(&s.http, "tenant=atlas", 2, &mut cursor).await;
-    assert!(first.iter().all(|e| e["kind"] == "policy_changed"), "only events below the open transaction: {first:?}");
+    assert!(
+        first.iter().all(|e| e["kind"] == "policy_changed"),
+        "only events below the open transaction: {first:?}"
+    );
     let first_ids: Vec<i64> = first.iter().map(|e| e["id"].as_i64().unwrap()).collect();
     assert!(first_ids.iter().all(|id| *id < late_id));
 
@@ -145,7 +148,9 @@ async fn ledger_pagination_never_skips_or_repeats_under_concurrent_writers() {
         writers.push(tokio::spawn(async move {
             let epoch = register(&http, "eu", &agent).await;
             for seq in 0..30 {
-                grant(&http, &grant_body("atlas", "read", "eu", &agent, epoch, seq, 1, 1.0)).await.expect(200);
+                grant(&http, &grant_body("atlas", "read", "eu", &agent, epoch, seq, 1, 1.0))
+                    .await
+                    .expect(200);
             }
         }));
     }
@@ -174,7 +179,9 @@ async fn ledger_pagination_never_skips_or_repeats_under_concurrent_writers() {
     for w in writers {
         w.await.unwrap();
     }
-    seen.extend(read_to_end(&s.http, "tenant=atlas", 3, &mut cursor).await.iter().map(|e| e["id"].as_i64().unwrap()));
+    seen.extend(
+        read_to_end(&s.http, "tenant=atlas", 3, &mut cursor).await.iter().map(|e| e["id"].as_i64().unwrap()),
+    );
     let unique: BTreeSet<i64> = seen.iter().copied().collect();
     assert_eq!(unique.len(), seen.len(), "an event was served twice");
     let all: Vec<i64> = sqlx::query_scalar("select id from ledger_event where tenant = 'atlas' order by id")
@@ -205,7 +212,8 @@ async fn ledger_ndjson_export_streams_every_matching_event_once_and_filters_are_
     assert_eq!(r.status(), 200);
     assert_eq!(r.headers()["content-type"], "application/x-ndjson");
     let text = r.text().await.unwrap();
-    let events: Vec<Value> = text.lines().map(|l| serde_json::from_str(l).expect("one JSON object per line")).collect();
+    let events: Vec<Value> =
+        text.lines().map(|l| serde_json::from_str(l).expect("one JSON object per line")).collect();
     assert_eq!(events.len(), 1 + 1 + 2700, "policy_changed, granted and the inserted reports");
     let ids: BTreeSet<i64> = events.iter().map(|e| e["id"].as_i64().unwrap()).collect();
     assert_eq!(ids.len(), events.len(), "no event twice");
@@ -251,7 +259,8 @@ async fn explain_tells_leased_fallback_exhausted_and_no_demand_apart() {
     assert_eq!(g.body["tokens"], 100);
     let empty = grant(&http, &grant_body("atlas", "read", "us", "us-1", us, 1, 10, 3.0)).await.expect(200);
     assert_eq!(empty.body["tokens"], 0);
-    let stale = grant(&http, &grant_body("atlas", "read", "us", "us-1", us_old, 2, 10, 3.0)).await.expect(409);
+    let stale =
+        grant(&http, &grant_body("atlas", "read", "us", "us-1", us_old, 2, 10, 3.0)).await.expect(409);
     assert_eq!(stale.error(), "stale_epoch");
     let w0 = json!("2026-12-02T10:00:00Z");
     http.post("/v1/reports", &report_body("ap", ap, "ap-r1", &w0, 0, 7)).await.expect(200);
@@ -262,7 +271,10 @@ async fn explain_tells_leased_fallback_exhausted_and_no_demand_apart() {
     assert!(e["at"].as_str().unwrap().starts_with("2026-12-02T10:00:2"), "at defaults to now: {e}");
     assert_eq!((e["policy"]["version"].as_i64(), e["policy"]["limit"].as_i64()), (Some(1), Some(100)));
     assert_eq!(e["window_start"], "2026-12-02T10:00:00Z");
-    assert_eq!(e["pool"], json!({"exists": true, "limit": 100, "granted": 100, "returned": 0, "available": 0}));
+    assert_eq!(
+        e["pool"],
+        json!({"exists": true, "limit": 100, "granted": 100, "returned": 0, "available": 0})
+    );
     assert_eq!(e["live_lease_tokens"], 100);
     let lease = &e["leases"][0];
     assert_eq!(lease["lease_id"], g.body["lease_id"]);
@@ -277,7 +289,10 @@ async fn explain_tells_leased_fallback_exhausted_and_no_demand_apart() {
     assert_eq!(e["leases"][0]["tokens"], 0);
     let refusals = e["refusals"].as_array().unwrap();
     assert_eq!(refusals.len(), 1, "{e}");
-    assert_eq!((refusals[0]["reason"].as_str(), refusals[0]["epoch"].as_i64()), (Some("stale_epoch"), Some(us_old)));
+    assert_eq!(
+        (refusals[0]["reason"].as_str(), refusals[0]["epoch"].as_i64()),
+        (Some("stale_epoch"), Some(us_old))
+    );
 
     let e = http.get("/v1/explain/atlas/read?region=ap").await.expect(200).body;
     assert_eq!(e["verdict"], "fallback", "{e}");
@@ -288,9 +303,12 @@ async fn explain_tells_leased_fallback_exhausted_and_no_demand_apart() {
 
     // After the lease expired and was released, the same region is no longer leased.
     clock.set_now(at("2026-12-02T10:00:50Z"));
-    http.post(&format!("/v1/leases/{}/release", g.body["lease_id"].as_str().unwrap()), &json!({"epoch": eu, "unspent": 30}))
-        .await
-        .expect(200);
+    http.post(
+        &format!("/v1/leases/{}/release", g.body["lease_id"].as_str().unwrap()),
+        &json!({"epoch": eu, "unspent": 30}),
+    )
+    .await
+    .expect(200);
     let e = http.get("/v1/explain/atlas/read?region=eu&at=2026-12-02T10:00:51Z").await.expect(200).body;
     assert_ne!(e["verdict"], "leased", "{e}");
     assert_eq!((e["leases"][0]["spent"].as_i64(), e["leases"][0]["returned"].as_i64()), (Some(70), Some(30)));
@@ -301,7 +319,9 @@ async fn explain_tells_leased_fallback_exhausted_and_no_demand_apart() {
     http.get("/v1/explain/atlas/nope?region=eu").await.expect(404);
     let r = http.get("/v1/explain/atlas/read?region=eu&at=2026-12-01T00:00:00Z").await.expect(404);
     assert_eq!(r.error(), "unknown_quota");
-    for (q, field) in [("", "region"), ("region=a%20b", "region"), ("region=eu&at=noon", "at"), ("region=eu&x=1", "query")] {
+    for (q, field) in
+        [("", "region"), ("region=a%20b", "region"), ("region=eu&at=noon", "at"), ("region=eu&x=1", "query")]
+    {
         let r = http.get(&format!("/v1/explain/atlas/read?{q}")).await.expect(422);
         assert!(r.body["message"].as_str().unwrap().starts_with(field), "{q}: {}", r.body);
     }
@@ -312,15 +332,29 @@ async fn policy_versions_record_every_change_with_who_and_when_and_if_match_refu
     let db = quota_tests::pg::TestDb::start().await;
     let alloc = TestAllocator::spawn_with(
         &db.url,
-        Options { admin_token: Some("admin-secret".into()), agent_token: Some("agent-secret".into()), ..Default::default() },
+        Options {
+            admin_token: Some("admin-secret".into()),
+            agent_token: Some("agent-secret".into()),
+            ..Default::default()
+        },
     )
     .await;
     let admin = Http::new(&alloc.base).with_token(Some("admin-secret"));
     let agent = admin.with_token(Some("agent-secret"));
     let path = "/v1/policies/atlas/read";
     admin.put(path, &json!({"limit": 100, "window_secs": 60})).await.expect(200);
-    admin.put_with(path, &json!({"limit": 200, "window_secs": 60, "fail_mode": "strict"}), &[("if-match", "1")]).await.expect(200);
-    let r = admin.put_with(path, &json!({"limit": 300, "window_secs": 60}), &[("if-match", "1")]).await.expect(412);
+    admin
+        .put_with(
+            path,
+            &json!({"limit": 200, "window_secs": 60, "fail_mode": "strict"}),
+            &[("if-match", "1")],
+        )
+        .await
+        .expect(200);
+    let r = admin
+        .put_with(path, &json!({"limit": 300, "window_secs": 60}), &[("if-match", "1")])
+        .await
+        .expect(412);
     assert_eq!(r.error(), "version_mismatch");
     // Two concurrent edits of version 2: exactly one wins.
     let body = json!({"limit": 400, "window_secs": 60});
@@ -335,10 +369,7 @@ async fn policy_versions_record_every_change_with_who_and_when_and_if_match_refu
     let v = admin.get(&format!("{path}/versions")).await.expect(200).body;
     let versions = v["versions"].as_array().unwrap();
     assert_eq!(versions.len(), 3, "{v}");
-    assert_eq!(
-        versions.iter().map(|x| x["version"].as_i64().unwrap()).collect::<Vec<_>>(),
-        [1, 2, 3]
-    );
+    assert_eq!(versions.iter().map(|x| x["version"].as_i64().unwrap()).collect::<Vec<_>>(), [1, 2, 3]);
     assert_eq!(versions[1]["limit"], 200);
     assert_eq!(versions[1]["fail_mode"], "strict");
     assert_eq!(versions[1]["fallback_per_region"], 0);
@@ -350,7 +381,9 @@ async fn policy_versions_record_every_change_with_who_and_when_and_if_match_refu
     let changes: Vec<&Value> =
         ledger["events"].as_array().unwrap().iter().filter(|e| e["kind"] == "policy_changed").collect();
     assert_eq!(changes.len(), 3);
-    assert!(changes.iter().all(|e| e["detail"]["changed_by"] == "admin" && e["detail"]["changed_at"].is_string()));
+    assert!(changes
+        .iter()
+        .all(|e| e["detail"]["changed_by"] == "admin" && e["detail"]["changed_at"].is_string()));
     assert_eq!(changes[2]["detail"]["policy"]["version"], 3);
 
     assert_eq!(agent.get(&format!("{path}/versions")).await.status, 401, "agents cannot read policies");
@@ -396,14 +429,14 @@ enum Class {
 }
 
 async fn call(http: &Http, method: &str, template: &str, lease_id: &str, epoch: i64) -> Resp {
-    let path = template
-        .replace("{tenant}", "atlas")
-        .replace("{resource}", "read")
-        .replace("{lease_id}", lease_id);
+    let path =
+        template.replace("{tenant}", "atlas").replace("{resource}", "read").replace("{lease_id}", lease_id);
     let path = if path.starts_with("/v1/explain") { format!("{path}?region=eu") } else { path };
     match (method, template) {
         ("post", "/v1/agents/register") => http.post(&path, &json!({"region": "eu", "agent": "eu-9"})).await,
-        ("post", "/v1/grants") => http.post(&path, &grant_body("atlas", "read", "eu", "eu-1", epoch, 99, 1, 1.0)).await,
+        ("post", "/v1/grants") => {
+            http.post(&path, &grant_body("atlas", "read", "eu", "eu-1", epoch, 99, 1, 1.0)).await
+        }
         ("post", "/v1/reports") => {
             http.post(&path, &report_body("eu", epoch, "auth-r", &json!("2026-12-02T10:00:00Z"), 0, 0)).await
         }
@@ -418,7 +451,11 @@ async fn auth_matrix_covers_every_route_with_no_wrong_agent_and_admin_tokens() {
     let db = quota_tests::pg::TestDb::start().await;
     let alloc = TestAllocator::spawn_with(
         &db.url,
-        Options { admin_token: Some("admin-secret".into()), agent_token: Some("agent-secret".into()), ..Default::default() },
+        Options {
+            admin_token: Some("admin-secret".into()),
+            agent_token: Some("agent-secret".into()),
+            ..Default::default()
+        },
     )
     .await;
     let anon = Http::new(&alloc.base);
@@ -439,7 +476,10 @@ async fn auth_matrix_covers_every_route_with_no_wrong_agent_and_admin_tokens() {
             } else {
                 // A 401 also proves the route exists: the fallback answers 404.
                 assert_eq!(r.status, 401, "{who} with {name}: {}", r.body);
-                assert_eq!(r.body, json!({"error": "unauthorized", "message": "missing or invalid bearer token"}));
+                assert_eq!(
+                    r.body,
+                    json!({"error": "unauthorized", "message": "missing or invalid bearer token"})
+                );
             }
         }
         let r = call(&agent, method, template, &lease_id, epoch).await;
@@ -464,11 +504,24 @@ async fn openapi_document_covers_every_route_of_the_router() {
         .as_object()
         .unwrap()
         .iter()
-        .flat_map(|(p, ops)| ops.as_object().unwrap().keys().map(move |m| (m.clone(), p.clone())).collect::<Vec<_>>())
+        .flat_map(|(p, ops)| {
+            ops.as_object().unwrap().keys().map(move |m| (m.clone(), p.clone())).collect::<Vec<_>>()
+        })
         .collect();
-    let routes: BTreeSet<(String, String)> = ROUTES.iter().map(|(m, p, _)| (m.to_string(), p.to_string())).collect();
+    let routes: BTreeSet<(String, String)> =
+        ROUTES.iter().map(|(m, p, _)| (m.to_string(), p.to_string())).collect();
     assert_eq!(documented, routes);
-    for schema in ["GrantRequest", "GrantResponse", "PolicySpec", "Policy", "WindowsPage", "LedgerPage", "Explanation", "PolicyVersions", "ErrorBody"] {
+    for schema in [
+        "GrantRequest",
+        "GrantResponse",
+        "PolicySpec",
+        "Policy",
+        "WindowsPage",
+        "LedgerPage",
+        "Explanation",
+        "PolicyVersions",
+        "ErrorBody",
+    ] {
         assert!(doc["components"]["schemas"][schema].is_object(), "schema {schema} missing");
     }
     assert_eq!(doc["paths"]["/v1/grants"]["post"]["security"][0]["agent_token"], json!([]));
@@ -480,11 +533,13 @@ async fn retention_removes_old_ledger_events_and_leases_in_batches_and_windows_s
     let (_db, clock, alloc, http) = clocked().await;
     let old = Utc::now() - Duration::days(10);
     clock.set_now(old);
-    put_policy(&http, "atlas", "read", json!({"limit": 1000, "window_secs": 60, "fallback_per_region": 5})).await;
+    put_policy(&http, "atlas", "read", json!({"limit": 1000, "window_secs": 60, "fallback_per_region": 5}))
+        .await;
     let epoch = register(&http, "eu", "eu-1").await;
     let mut ws = json!(null);
     for seq in 0..3 {
-        let g = grant(&http, &grant_body("atlas", "read", "eu", "eu-1", epoch, seq, 10, 1.0)).await.expect(200);
+        let g =
+            grant(&http, &grant_body("atlas", "read", "eu", "eu-1", epoch, seq, 10, 1.0)).await.expect(200);
         ws = g.body["window_start"].clone();
     }
     http.post("/v1/reports", &report_body("eu", epoch, "old-r", &ws, 25, 2)).await.expect(200);
@@ -520,13 +575,20 @@ async fn retention_removes_old_ledger_events_and_leases_in_batches_and_windows_s
     job.abort();
     let recent: i64 = sqlx::query_scalar("select count(*) from lease").fetch_one(&db).await.unwrap();
     assert_eq!(recent, 1, "the recent lease stays");
-    let recent_events: i64 = sqlx::query_scalar("select count(*) from ledger_event").fetch_one(&db).await.unwrap();
+    let recent_events: i64 =
+        sqlx::query_scalar("select count(*) from ledger_event").fetch_one(&db).await.unwrap();
     assert_eq!(recent_events, 1, "the recent grant event stays");
 
     let from = ws.as_str().unwrap();
-    let w = http.get(&format!("/v1/windows/atlas/read?from={}&limit=1", from.replace('+', "%2B"))).await.expect(200);
+    let w = http
+        .get(&format!("/v1/windows/atlas/read?from={}&limit=1", from.replace('+', "%2B")))
+        .await
+        .expect(200);
     let win = &w.body["windows"][0];
     assert_eq!(win["window_start"].as_str(), Some(from));
-    assert_eq!((win["granted"].as_i64(), win["consumed"].as_i64(), win["fallback_admitted"].as_i64()), (Some(30), Some(25), Some(2)));
+    assert_eq!(
+        (win["granted"].as_i64(), win["consumed"].as_i64(), win["fallback_admitted"].as_i64()),
+        (Some(30), Some(25), Some(2))
+    );
     assert_eq!((win["stranded"].as_i64(), win["bound"].as_i64()), (Some(5), Some(1005)));
 }

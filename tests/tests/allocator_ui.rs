@@ -60,7 +60,9 @@ async fn dashboard_renders_in_headless_chromium_with_the_scenario_numbers() {
     operator_scenario(&http, &clock).await;
     let dir = tempfile::tempdir().expect("tempdir");
 
-    let index = run_chromium(&bin, &dir.path().join("p1"), &["--dump-dom".into()], &format!("{}/ui", alloc.base)).await;
+    let index =
+        run_chromium(&bin, &dir.path().join("p1"), &["--dump-dom".into()], &format!("{}/ui", alloc.base))
+            .await;
     assert!(index.contains("href=\"/ui/quotas/atlas/read\""), "{index}");
     assert!(index.contains("<td data-field=\"limit\">1000</td>"), "{index}");
 

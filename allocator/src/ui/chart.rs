@@ -15,7 +15,8 @@ const LEFT: f64 = 60.0;
 const RIGHT: f64 = 20.0;
 const TOP: f64 = 20.0;
 const BOTTOM: f64 = 40.0;
-const PALETTE: [&str; 8] = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22"];
+const PALETTE: [&str; 8] =
+    ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22"];
 
 /// The chart of `windows` (oldest first) as an `<svg>` element.
 pub fn render(windows: &[WindowAccount]) -> String {

@@ -146,7 +146,8 @@ pub(crate) async fn quota(
     let policy = policies::require(&mut conn, &tenant, &resource).await?;
     let current = Window::containing(now, policy.window_secs);
     let from = current.start_at() - Duration::seconds(policy.window_secs * (n - 1));
-    let (accounts, _) = windows::accounts(&mut conn, &tenant, &resource, from, current.end_at(), n, now).await?;
+    let (accounts, _) =
+        windows::accounts(&mut conn, &tenant, &resource, from, current.end_at(), n, now).await?;
     let title = format!("{tenant}/{resource}");
     let mut body = format!(
         "<p><a href=\"/ui\">all quotas</a> · policy version <span id=\"version\">{}</span>: limit \
@@ -164,7 +165,8 @@ pub(crate) async fn quota(
 
 /// The table under the chart: one row per window, one admitted column per region.
 fn table(accounts: &[WindowAccount]) -> String {
-    let regions: BTreeSet<&str> = accounts.iter().flat_map(|w| w.regions.keys().map(String::as_str)).collect();
+    let regions: BTreeSet<&str> =
+        accounts.iter().flat_map(|w| w.regions.keys().map(String::as_str)).collect();
     let mut t = String::from(
         "<table id=\"windows\"><tr><th>window start</th><th>limit</th><th>bound</th><th>admitted</th>",
     );
