@@ -592,3 +592,29 @@ async fn retention_removes_old_ledger_events_and_leases_in_batches_and_windows_s
     );
     assert_eq!((win["stranded"].as_i64(), win["bound"].as_i64()), (Some(5), Some(1005)));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn odd_input_on_the_operator_routes_is_a_4xx_never_a_500() {
+    let s = Stack::start().await;
+    put_policy(&s.http, "atlas", "read", json!({"limit": 100, "window_secs": 60})).await;
+    for path in [
+        "/v1/explain/atlas/read?region=eu&at=9999-12-31T23:59:59Z",
+        "/v1/explain/atlas/read?region=eu&at=0000-01-01T00:00:00Z",
+        "/v1/explain/atlas/read?region=eu&at=2026-12-02T10:00:00%2B14:00",
+        "/v1/windows/atlas/read?from=0000-01-01T00:00:00Z&to=9999-12-31T23:59:59Z",
+        "/v1/ledger?since=9999-12-31T23:59:59Z",
+        "/v1/ledger?cursor=18446744073709551615.9223372036854775807",
+        "/v1/ledger?cursor=18446744073709551616.1",
+        "/v1/ledger?cursor=1.-1",
+        "/v1/ledger?format=ndjson&cursor=x",
+        "/ui/quotas/atlas/read?n=0",
+        "/ui/quotas/atlas/read?n=abc",
+        "/ui/quotas/atlas/read?n=100",
+        "/ui/quotas/atlas/nope",
+        "/ui/quotas/%3Cb%3E/read",
+        "/v1/policies/atlas/read/versions?x=1",
+    ] {
+        let r = s.http.get(path).await;
+        assert!(r.status < 500, "{path}: {} {}", r.status, r.body);
+    }
+}
