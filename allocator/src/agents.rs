@@ -10,7 +10,7 @@ use axum::extract::State;
 use axum::routing::post;
 use axum::{Json, Router};
 use chrono::{DateTime, Utc};
-use quota_shared::wire::{RegisterRequest, RegisterResponse};
+use quota_shared::wire::{ErrorBody, RegisterRequest, RegisterResponse};
 use sqlx::{PgConnection, PgPool};
 
 /// Routes of this module.
@@ -18,7 +18,20 @@ pub fn router() -> Router<AppState> {
     Router::new().route("/v1/agents/register", post(register))
 }
 
-async fn register(
+/// `POST /v1/agents/register`: a new epoch for `(region, agent)`.
+#[utoipa::path(
+    post,
+    path = "/v1/agents/register",
+    request_body = RegisterRequest,
+    responses(
+        (status = 200, description = "The new epoch", body = RegisterResponse),
+        (status = 401, description = "Missing or wrong agent token", body = ErrorBody),
+        (status = 422, description = "Invalid identifier", body = ErrorBody),
+    ),
+    security(("agent_token" = [])),
+    tag = "agents"
+)]
+pub(crate) async fn register(
     State(state): State<AppState>,
     ApiJson(req): ApiJson<RegisterRequest>,
 ) -> Result<Json<RegisterResponse>> {

@@ -28,6 +28,15 @@ pub struct Config {
     #[arg(long, env = "ALLOCATOR_DB_MAX_CONNECTIONS", default_value_t = 16)]
     pub db_max_connections: u32,
 
+    /// Ledger events and leases older than this many hours are deleted in
+    /// the background (per-window summaries stay); 0 keeps everything.
+    #[arg(long, env = "ALLOCATOR_RETENTION_HOURS", default_value_t = 168)]
+    pub retention_hours: u64,
+
+    /// Rows per retention delete statement.
+    #[arg(long, env = "ALLOCATOR_RETENTION_BATCH", default_value_t = 5000)]
+    pub retention_batch: i64,
+
     /// `text` or `json`.
     #[arg(long, env = "LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,

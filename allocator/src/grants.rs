@@ -19,7 +19,7 @@ use axum::routing::post;
 use axum::{Json, Router};
 use chrono::{DateTime, Duration, Utc};
 use quota_shared::window::Window;
-use quota_shared::wire::{GrantRequest, GrantResponse, WindowSel};
+use quota_shared::wire::{ErrorBody, GrantRequest, GrantResponse, WindowSel};
 use sqlx::PgConnection;
 use std::time::Instant;
 use uuid::Uuid;
@@ -58,7 +58,22 @@ enum Outcome {
     Replayed(LeaseRow),
 }
 
-async fn grant(
+/// `POST /v1/grants`: a lease, or a replay of one (I1–I4).
+#[utoipa::path(
+    post,
+    path = "/v1/grants",
+    request_body = GrantRequest,
+    responses(
+        (status = 200, description = "The lease (tokens may be 0 with retry_after_ms); a replay carries Idempotent-Replayed: true", body = GrantResponse),
+        (status = 401, description = "Missing or wrong agent token", body = ErrorBody),
+        (status = 404, description = "Unknown quota or agent", body = ErrorBody),
+        (status = 409, description = "stale_epoch or idempotency_mismatch", body = ErrorBody),
+        (status = 422, description = "Invalid value; the message names the field", body = ErrorBody),
+    ),
+    security(("agent_token" = [])),
+    tag = "agents"
+)]
+pub(crate) async fn grant(
     State(state): State<AppState>,
     ApiJson(req): ApiJson<GrantRequest>,
 ) -> Result<(HeaderMap, Json<GrantResponse>)> {

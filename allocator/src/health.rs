@@ -17,16 +17,35 @@ pub fn router() -> Router<AppState> {
         .route("/metrics", get(metrics))
 }
 
-async fn healthz() -> Json<Value> {
+/// `GET /healthz`: shallow liveness.
+#[utoipa::path(get, path = "/healthz", responses((status = 200, description = "The process serves")), tag = "health")]
+pub(crate) async fn healthz() -> Json<Value> {
     Json(json!({"status": "ok"}))
 }
 
-async fn readyz(State(state): State<AppState>) -> Result<Json<Value>> {
+/// `GET /readyz`: the database answers.
+#[utoipa::path(
+    get,
+    path = "/readyz",
+    responses(
+        (status = 200, description = "The database answers"),
+        (status = 503, description = "Database unavailable", body = quota_shared::wire::ErrorBody),
+    ),
+    tag = "health"
+)]
+pub(crate) async fn readyz(State(state): State<AppState>) -> Result<Json<Value>> {
     sqlx::query(include_str!("sql/ping.sql")).execute(&state.db).await?;
     Ok(Json(json!({"status": "ready", "database": "ok"})))
 }
 
-async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
+/// `GET /metrics`: Prometheus text.
+#[utoipa::path(
+    get,
+    path = "/metrics",
+    responses((status = 200, description = "Prometheus text format", content_type = "text/plain")),
+    tag = "health"
+)]
+pub(crate) async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
     let pool = &state.db;
     state.metrics.set("allocator_db_connections", &[("state", "idle")], pool.num_idle() as f64);
     state.metrics.set("allocator_db_connections", &[("state", "open")], pool.size() as f64);

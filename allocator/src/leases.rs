@@ -11,8 +11,9 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use chrono::{DateTime, Utc};
 use quota_shared::window::Window;
-use quota_shared::wire::{FailMode, GrantResponse, LeaseView, PoolSnapshot, ReleaseRequest};
+use quota_shared::wire::{ErrorBody, FailMode, GrantResponse, LeaseView, PoolSnapshot, ReleaseRequest};
 use serde::Serialize;
+use utoipa::ToSchema;
 use uuid::Uuid;
 
 /// Agent-facing routes of this module.
@@ -123,7 +124,23 @@ fn parse_lease_id(s: &str) -> Result<Uuid> {
     Uuid::parse_str(s).map_err(|_| Error::invalid("lease_id", format!("{s:?} is not a UUID")))
 }
 
-async fn release(
+/// `POST /v1/leases/{lease_id}/release`: unspent tokens back to an open pool.
+#[utoipa::path(
+    post,
+    path = "/v1/leases/{lease_id}/release",
+    params(("lease_id" = Uuid, Path)),
+    request_body = ReleaseRequest,
+    responses(
+        (status = 200, description = "The lease with returned", body = LeaseView),
+        (status = 401, description = "Missing or wrong agent token", body = ErrorBody),
+        (status = 404, description = "Unknown lease", body = ErrorBody),
+        (status = 409, description = "stale_epoch or idempotency_mismatch", body = ErrorBody),
+        (status = 422, description = "Invalid value; the message names the field", body = ErrorBody),
+    ),
+    security(("agent_token" = [])),
+    tag = "agents"
+)]
+pub(crate) async fn release(
     State(state): State<AppState>,
     ApiPath(lease_id): ApiPath<String>,
     ApiJson(req): ApiJson<ReleaseRequest>,
@@ -226,14 +243,28 @@ async fn try_release(
 }
 
 /// `GET /v1/leases/{id}` answer.
-#[derive(Debug, Serialize)]
-struct LeaseWithEvents {
+#[derive(Debug, Serialize, ToSchema)]
+pub struct LeaseWithEvents {
     #[serde(flatten)]
-    lease: LeaseView,
-    events: Vec<ledger::Event>,
+    pub lease: LeaseView,
+    pub events: Vec<ledger::Event>,
 }
 
-async fn get_lease(
+/// `GET /v1/leases/{lease_id}`: one lease with its ledger events.
+#[utoipa::path(
+    get,
+    path = "/v1/leases/{lease_id}",
+    params(("lease_id" = Uuid, Path)),
+    responses(
+        (status = 200, description = "The lease and its events", body = LeaseWithEvents),
+        (status = 401, description = "Missing or wrong admin token", body = ErrorBody),
+        (status = 404, description = "Unknown lease", body = ErrorBody),
+        (status = 422, description = "Not a UUID", body = ErrorBody),
+    ),
+    security(("admin_token" = [])),
+    tag = "operator"
+)]
+pub(crate) async fn get_lease(
     State(state): State<AppState>,
     ApiPath(lease_id): ApiPath<String>,
 ) -> Result<Json<serde_json::Value>> {

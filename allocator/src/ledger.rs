@@ -1,15 +1,22 @@
 //! The append-only ledger: every registration, grant, replay, refusal,
 //! release, report and policy change is one row, and `GET /v1/ledger` reads
-//! them back in order with a cursor.
+//! them back in commit order with a cursor that is stable while events
+//! arrive: it walks `(txid, id)` and serves only events of transactions that
+//! ended before the read's snapshot (see `sql/ledger_page.sql`).
 
 use crate::http::extract::{check_id, ApiQuery};
 use crate::{AppState, Error, Result};
+use axum::body::Body;
 use axum::extract::State;
+use axum::http::header;
+use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
 use chrono::{DateTime, Utc};
+use quota_shared::wire::ErrorBody;
 use serde::{Deserialize, Serialize};
 use sqlx::{PgConnection, PgPool};
+use utoipa::{IntoParams, ToSchema};
 use uuid::Uuid;
 
 /// Kinds of ledger events.
@@ -82,10 +89,12 @@ pub async fn append_refusal(db: &PgPool, at: DateTime<Utc>, e: NewEvent) -> Resu
 }
 
 /// One ledger event as read back.
-#[derive(Debug, Clone, Serialize, Deserialize, sqlx::FromRow)]
+#[derive(Debug, Clone, Serialize, Deserialize, sqlx::FromRow, ToSchema)]
 pub struct Event {
+    /// Unique; draws from a sequence, so it is not the order of commits.
     pub id: i64,
     pub at: DateTime<Utc>,
+    /// `registered`, `granted`, `replayed`, `refused`, `released`, `reported`, `policy_changed`.
     pub kind: String,
     pub tenant: Option<String>,
     pub resource: Option<String>,
@@ -95,34 +104,52 @@ pub struct Event {
     pub seq: Option<i64>,
     pub lease_id: Option<Uuid>,
     pub tokens: Option<i64>,
+    /// Why a request was refused (`stale_epoch`, `idempotency_mismatch`).
     pub reason: Option<String>,
+    #[schema(value_type = Option<Object>)]
     pub detail: Option<serde_json::Value>,
+    /// The writing transaction's id, the first half of the cursor order.
+    #[serde(skip)]
+    #[schema(ignore)]
+    pub txid: String,
+}
+
+impl Event {
+    /// The cursor that continues after this event.
+    pub fn cursor(&self) -> String {
+        format!("{}.{}", self.txid, self.id)
+    }
 }
 
 /// Query of `GET /v1/ledger`.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, IntoParams)]
 #[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
 pub struct LedgerQuery {
     pub tenant: Option<String>,
     pub resource: Option<String>,
     pub region: Option<String>,
     /// RFC 3339; only events at or after it.
     pub since: Option<String>,
-    /// The `next_cursor` of the previous page.
-    pub cursor: Option<i64>,
-    /// Page size, 1..=1000 (default 100).
+    /// The `next_cursor` of the previous page (opaque).
+    pub cursor: Option<String>,
+    /// Page size, 1..=1000 (default 100); not with `format=ndjson`.
     pub limit: Option<i64>,
+    /// `json` (default, one page) or `ndjson` (every matching event, streamed).
+    pub format: Option<String>,
 }
 
-/// A page of events, oldest first.
-#[derive(Debug, Serialize, Deserialize)]
+/// A page of events in commit order.
+#[derive(Debug, Serialize, Deserialize, ToSchema)]
 pub struct LedgerPage {
     pub events: Vec<Event>,
-    /// Pass as `cursor` to read the following events.
-    pub next_cursor: i64,
+    /// Pass as `cursor` to read the following events; the cursor given (or
+    /// null) when the page is empty. Events still being committed appear on
+    /// a later page, never before this cursor.
+    pub next_cursor: Option<String>,
 }
 
-/// Largest page of `GET /v1/ledger`.
+/// Largest page of `GET /v1/ledger`, and the batch an NDJSON export reads.
 pub const MAX_PAGE: i64 = 1000;
 
 /// Routes of this module.
@@ -137,32 +164,149 @@ pub fn parse_time(field: &str, s: &str) -> Result<DateTime<Utc>> {
         .map_err(|e| Error::invalid(field, format!("{s:?} is not an RFC 3339 timestamp: {e}")))
 }
 
-async fn list(State(state): State<AppState>, ApiQuery(q): ApiQuery<LedgerQuery>) -> Result<Json<LedgerPage>> {
+/// Filters of a ledger read, validated.
+#[derive(Debug, Clone)]
+struct Filter {
+    tenant: Option<String>,
+    resource: Option<String>,
+    region: Option<String>,
+    since: Option<DateTime<Utc>>,
+}
+
+/// A position in the `(txid, id)` order; the start is `(0, 0)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+struct Cursor {
+    txid: u64,
+    id: i64,
+}
+
+impl Cursor {
+    fn parse(s: &str) -> Result<Cursor> {
+        let bad = || Error::invalid("cursor", format!("{s:?} is not a cursor this endpoint returned"));
+        let (t, i) = s.split_once('.').ok_or_else(bad)?;
+        let txid = t.parse::<u64>().map_err(|_| bad())?;
+        let id = i.parse::<i64>().map_err(|_| bad())?;
+        if id < 0 {
+            return Err(bad());
+        }
+        Ok(Cursor { txid, id })
+    }
+}
+
+async fn page(db: &PgPool, f: &Filter, after: Cursor, limit: i64) -> Result<Vec<Event>> {
+    Ok(sqlx::query_as(include_str!("sql/ledger_page.sql"))
+        .bind(after.txid.to_string())
+        .bind(after.id)
+        .bind(&f.tenant)
+        .bind(&f.resource)
+        .bind(&f.region)
+        .bind(f.since)
+        .bind(limit)
+        .fetch_all(db)
+        .await?)
+}
+
+/// `GET /v1/ledger`: one page of events in commit order, or with
+/// `format=ndjson` every matching event as one JSON object per line.
+#[utoipa::path(
+    get,
+    path = "/v1/ledger",
+    params(LedgerQuery),
+    responses(
+        (status = 200, description = "A page of events (or NDJSON with format=ndjson)", body = LedgerPage),
+        (status = 401, description = "Missing or wrong admin token", body = ErrorBody),
+        (status = 422, description = "Invalid filter; the message names the field", body = ErrorBody),
+    ),
+    security(("admin_token" = [])),
+    tag = "operator"
+)]
+pub(crate) async fn list(
+    State(state): State<AppState>,
+    ApiQuery(q): ApiQuery<LedgerQuery>,
+) -> Result<Response> {
     for (field, v) in [("tenant", &q.tenant), ("resource", &q.resource), ("region", &q.region)] {
         if let Some(v) = v {
             check_id(field, v)?;
         }
     }
     let since = q.since.as_deref().map(|s| parse_time("since", s)).transpose()?;
+    // An empty cursor is the start, so a shell loop can begin with `cursor=`.
+    let cursor = q.cursor.as_deref().filter(|c| !c.is_empty()).map(Cursor::parse).transpose()?;
+    let filter = Filter { tenant: q.tenant, resource: q.resource, region: q.region, since };
+    match q.format.as_deref().unwrap_or("json") {
+        "json" => {}
+        "ndjson" => {
+            if q.limit.is_some() {
+                return Err(Error::invalid(
+                    "limit",
+                    "format=ndjson exports every matching event; omit limit",
+                ));
+            }
+            return Ok(export(state.db.clone(), filter, cursor.unwrap_or_default()));
+        }
+        other => return Err(Error::invalid("format", format!("must be json or ndjson, got {other:?}"))),
+    }
     let limit = q.limit.unwrap_or(100);
     if !(1..=MAX_PAGE).contains(&limit) {
         return Err(Error::invalid("limit", format!("must be between 1 and {MAX_PAGE}, got {limit}")));
     }
-    let cursor = q.cursor.unwrap_or(0);
-    if cursor < 0 {
-        return Err(Error::invalid("cursor", "must not be negative"));
-    }
-    let events: Vec<Event> = sqlx::query_as(include_str!("sql/ledger_page.sql"))
-        .bind(cursor)
-        .bind(q.tenant)
-        .bind(q.resource)
-        .bind(q.region)
-        .bind(since)
+    let events = page(&state.db, &filter, cursor.unwrap_or_default(), limit).await?;
+    let next_cursor = events.last().map(Event::cursor).or(q.cursor.filter(|c| !c.is_empty()));
+    Ok(Json(LedgerPage { events, next_cursor }).into_response())
+}
+
+/// Streams every matching event as NDJSON, one bounded page at a time, so
+/// memory stays at one page however long the ledger is. The same stable
+/// cursor walks the pages; the export ends at the first short page, so it
+/// terminates even while writers keep appending. A database error after the
+/// first byte cannot change the status any more: it is logged and the body
+/// is cut short, which a client sees as an incomplete transfer.
+fn export(db: PgPool, filter: Filter, start: Cursor) -> Response {
+    let stream = futures::stream::try_unfold(Some(start), move |state| {
+        let (db, filter) = (db.clone(), filter.clone());
+        async move {
+            let Some(after) = state else { return Ok(None) };
+            let events = page(&db, &filter, after, MAX_PAGE).await.map_err(|e| {
+                tracing::warn!(error = %e, "ledger export failed");
+                std::io::Error::other(e.to_string())
+            })?;
+            let mut buf = Vec::with_capacity(events.len() * 256);
+            for e in &events {
+                serde_json::to_writer(&mut buf, e).map_err(std::io::Error::other)?;
+                buf.push(b'\n');
+            }
+            let next = match events.last() {
+                Some(last) if events.len() as i64 == MAX_PAGE => {
+                    Some(Cursor { txid: last.txid.parse().unwrap_or(u64::MAX), id: last.id })
+                }
+                _ => None,
+            };
+            Ok::<_, std::io::Error>(Some((axum::body::Bytes::from(buf), next)))
+        }
+    });
+    let mut resp = Body::from_stream(stream).into_response();
+    resp.headers_mut()
+        .insert(header::CONTENT_TYPE, axum::http::HeaderValue::from_static("application/x-ndjson"));
+    resp
+}
+
+/// The latest refusals of `region` for a quota up to `at`, newest first.
+pub async fn refusals(
+    db: &PgPool,
+    tenant: &str,
+    resource: &str,
+    region: &str,
+    at: DateTime<Utc>,
+    limit: i64,
+) -> Result<Vec<Event>> {
+    Ok(sqlx::query_as(include_str!("sql/ledger_refusals.sql"))
+        .bind(tenant)
+        .bind(resource)
+        .bind(region)
+        .bind(at)
         .bind(limit)
-        .fetch_all(&state.db)
-        .await?;
-    let next_cursor = events.last().map(|e| e.id).unwrap_or(cursor);
-    Ok(Json(LedgerPage { events, next_cursor }))
+        .fetch_all(db)
+        .await?)
 }
 
 /// Events that mention one lease, oldest first.

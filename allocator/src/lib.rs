@@ -17,20 +17,28 @@
 //! * [`reports`]: consumption and fallback reports, exactly once (I7).
 //! * [`windows`]: per-window accounting with the overshoot bound (I6).
 //! * [`ledger`]: the append-only event log.
+//! * [`explain`]: why admission looked the way it did for a region.
+//! * [`retention`]: the background deletion of old ledger events and leases.
+//! * [`ui`]: the read-only HTML dashboard with SVG charts.
+//! * [`openapi`]: the OpenAPI document generated from the handlers.
 //! * [`health`]: liveness, readiness and metrics endpoints.
 
 pub mod agents;
 pub mod config;
 pub mod error;
+pub mod explain;
 pub mod grants;
 pub mod health;
 pub mod http;
 pub mod leases;
 pub mod ledger;
+pub mod openapi;
 pub mod policies;
 pub mod reports;
+pub mod retention;
 pub mod share;
 pub mod telemetry;
+pub mod ui;
 pub mod windows;
 
 use quota_shared::clock::{Clock, SystemClock};
@@ -122,8 +130,14 @@ pub async fn serve(config: config::Config) -> Result<(), String> {
     let listener = TcpListener::bind(addr).await.map_err(|e| format!("cannot listen on {addr}: {e}"))?;
     let mut state = AppState::new(db);
     state.auth = tokens;
+    let sweeper = retention::Retention::from_hours(config.retention_hours, config.retention_batch)
+        .map(|cfg| tokio::spawn(retention::run(state.db.clone(), state.clock.clone(), cfg)));
     tracing::info!(addr = %listener.local_addr().map_err(|e| e.to_string())?, "allocator listening");
-    run(listener, state, telemetry::shutdown_signal()).await.map_err(|e| format!("server failed: {e}"))?;
+    let served = run(listener, state, telemetry::shutdown_signal()).await;
+    if let Some(s) = sweeper {
+        s.abort();
+    }
+    served.map_err(|e| format!("server failed: {e}"))?;
     tracing::info!("allocator stopped");
     Ok(())
 }

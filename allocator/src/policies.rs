@@ -13,15 +13,53 @@ use crate::ledger::{self, Kind, NewEvent};
 use crate::{AppState, Error, Result};
 use axum::extract::State;
 use axum::http::HeaderMap;
-use axum::routing::put;
+use axum::routing::{get, put};
 use axum::{Extension, Json, Router};
 use chrono::{DateTime, Utc};
-use quota_shared::wire::{FailMode, Policy, PolicySpec};
-use sqlx::PgConnection;
+use quota_shared::wire::{ErrorBody, FailMode, Policy, PolicySpec};
+use serde::{Deserialize, Serialize};
+use sqlx::{PgConnection, PgPool};
+use utoipa::ToSchema;
 
 /// Routes of this module.
 pub fn router() -> Router<AppState> {
-    Router::new().route("/v1/policies/{tenant}/{resource}", put(put_policy).get(get_policy))
+    Router::new()
+        .route("/v1/policies/{tenant}/{resource}", put(put_policy).get(get_policy))
+        .route("/v1/policies/{tenant}/{resource}/versions", get(list_versions))
+}
+
+/// Most versions one call lists: far more than any quota is edited, and a
+/// bound on the answer all the same.
+pub const MAX_VERSIONS: i64 = 10_000;
+
+/// One version of a policy, with who wrote it and when.
+#[derive(Debug, Clone, Serialize, Deserialize, sqlx::FromRow, ToSchema)]
+pub struct PolicyVersion {
+    pub version: i64,
+    #[sqlx(rename = "limit_tokens")]
+    pub limit: i64,
+    pub window_secs: i64,
+    pub chunk_min: i64,
+    pub chunk_max: i64,
+    pub lease_ttl_secs: i64,
+    pub fallback_per_region: i64,
+    /// `bounded` or `strict`.
+    pub fail_mode: String,
+    /// The token name of the writer: `admin`, or `anonymous/loopback`
+    /// when no admin token is configured.
+    #[sqlx(rename = "updated_by")]
+    pub changed_by: String,
+    #[sqlx(rename = "updated_at")]
+    pub changed_at: DateTime<Utc>,
+}
+
+/// `GET /v1/policies/{tenant}/{resource}/versions` answer.
+#[derive(Debug, Serialize, Deserialize, ToSchema)]
+pub struct PolicyVersions {
+    pub tenant: String,
+    pub resource: String,
+    /// Oldest first.
+    pub versions: Vec<PolicyVersion>,
 }
 
 /// A policy row.
@@ -153,7 +191,68 @@ pub async fn require(conn: &mut PgConnection, tenant: &str, resource: &str) -> R
     load(conn, tenant, resource).await?.ok_or_else(|| Error::UnknownQuota(format!("{tenant}/{resource}")))
 }
 
-async fn get_policy(
+/// The policy version in force at `at` (the latest written at or before it).
+pub async fn at(db: &PgPool, tenant: &str, resource: &str, at: DateTime<Utc>) -> Result<Option<PolicyRow>> {
+    Ok(sqlx::query_as(include_str!("sql/policy_version_at.sql"))
+        .bind(tenant)
+        .bind(resource)
+        .bind(at)
+        .fetch_optional(db)
+        .await?)
+}
+
+/// Every quota's policy, by tenant and resource, at most `limit`.
+pub async fn list_all(db: &PgPool, limit: i64) -> Result<Vec<PolicyRow>> {
+    Ok(sqlx::query_as(include_str!("sql/policy_list.sql")).bind(limit).fetch_all(db).await?)
+}
+
+/// `GET /v1/policies/{tenant}/{resource}/versions`: the whole history.
+#[utoipa::path(
+    get,
+    path = "/v1/policies/{tenant}/{resource}/versions",
+    params(("tenant" = String, Path), ("resource" = String, Path)),
+    responses(
+        (status = 200, description = "Every version, oldest first", body = PolicyVersions),
+        (status = 401, description = "Missing or wrong admin token", body = ErrorBody),
+        (status = 404, description = "Unknown quota", body = ErrorBody),
+        (status = 422, description = "Invalid identifier", body = ErrorBody),
+    ),
+    security(("admin_token" = [])),
+    tag = "policies"
+)]
+pub(crate) async fn list_versions(
+    State(state): State<AppState>,
+    ApiPath((tenant, resource)): ApiPath<(String, String)>,
+) -> Result<Json<PolicyVersions>> {
+    check_id("tenant", &tenant)?;
+    check_id("resource", &resource)?;
+    let versions: Vec<PolicyVersion> = sqlx::query_as(include_str!("sql/policy_versions.sql"))
+        .bind(&tenant)
+        .bind(&resource)
+        .bind(MAX_VERSIONS)
+        .fetch_all(&state.db)
+        .await?;
+    if versions.is_empty() {
+        return Err(Error::UnknownQuota(format!("{tenant}/{resource}")));
+    }
+    Ok(Json(PolicyVersions { tenant, resource, versions }))
+}
+
+/// `GET /v1/policies/{tenant}/{resource}`: the policy in force.
+#[utoipa::path(
+    get,
+    path = "/v1/policies/{tenant}/{resource}",
+    params(("tenant" = String, Path), ("resource" = String, Path)),
+    responses(
+        (status = 200, description = "The policy in force", body = Policy),
+        (status = 401, description = "Missing or wrong admin token", body = ErrorBody),
+        (status = 404, description = "Unknown quota", body = ErrorBody),
+        (status = 422, description = "Invalid identifier", body = ErrorBody),
+    ),
+    security(("admin_token" = [])),
+    tag = "policies"
+)]
+pub(crate) async fn get_policy(
     State(state): State<AppState>,
     ApiPath((tenant, resource)): ApiPath<(String, String)>,
 ) -> Result<Json<Policy>> {
@@ -163,7 +262,25 @@ async fn get_policy(
     Ok(Json(require(&mut conn, &tenant, &resource).await?.to_wire()))
 }
 
-async fn put_policy(
+/// `PUT /v1/policies/{tenant}/{resource}`: writes a new version (I9).
+#[utoipa::path(
+    put,
+    path = "/v1/policies/{tenant}/{resource}",
+    params(
+        ("tenant" = String, Path), ("resource" = String, Path),
+        ("If-Match" = Option<String>, Header, description = "Refuse with 412 unless this is the current version"),
+    ),
+    request_body = PolicySpec,
+    responses(
+        (status = 200, description = "The policy with its new version", body = Policy),
+        (status = 401, description = "Missing or wrong admin token", body = ErrorBody),
+        (status = 412, description = "If-Match names a version that is no longer current", body = ErrorBody),
+        (status = 422, description = "Invalid value; the message names the field", body = ErrorBody),
+    ),
+    security(("admin_token" = [])),
+    tag = "policies"
+)]
+pub(crate) async fn put_policy(
     State(state): State<AppState>,
     Extension(who): Extension<Principal>,
     ApiPath((tenant, resource)): ApiPath<(String, String)>,
@@ -240,7 +357,7 @@ async fn put_policy(
             resource: Some(resource.clone()),
             tokens: Some(r.limit),
             reason: Some(format!("by {}", who.0)),
-            detail: Some(detail),
+            detail: Some(serde_json::json!({"changed_by": who.0, "changed_at": now, "policy": detail})),
             ..Default::default()
         },
     )

@@ -11,7 +11,7 @@ use axum::extract::State;
 use axum::routing::post;
 use axum::{Json, Router};
 use chrono::{DateTime, Utc};
-use quota_shared::wire::{ReportRequest, ReportResponse};
+use quota_shared::wire::{ErrorBody, ReportRequest, ReportResponse};
 use sqlx::PgConnection;
 
 /// Most items one report may carry.
@@ -56,7 +56,22 @@ fn validate(req: &ReportRequest) -> Result<()> {
     Ok(())
 }
 
-async fn report(
+/// `POST /v1/reports`: consumption and fallback admits, exactly once (I7).
+#[utoipa::path(
+    post,
+    path = "/v1/reports",
+    request_body = ReportRequest,
+    responses(
+        (status = 200, description = "Items applied (the first count on a replay)", body = ReportResponse),
+        (status = 401, description = "Missing or wrong agent token", body = ErrorBody),
+        (status = 404, description = "Unknown quota or agent", body = ErrorBody),
+        (status = 409, description = "stale_epoch or idempotency_mismatch", body = ErrorBody),
+        (status = 422, description = "Invalid value; the message names the field", body = ErrorBody),
+    ),
+    security(("agent_token" = [])),
+    tag = "agents"
+)]
+pub(crate) async fn report(
     State(state): State<AppState>,
     ApiJson(req): ApiJson<ReportRequest>,
 ) -> Result<Json<ReportResponse>> {

@@ -12,8 +12,11 @@ use axum::{Json, Router};
 use chrono::{DateTime, Duration, Utc};
 use quota_shared::bound::{self, BoundInputs};
 use quota_shared::window::Window;
+use quota_shared::wire::ErrorBody;
 use serde::{Deserialize, Serialize};
+use sqlx::PgConnection;
 use std::collections::BTreeMap;
+use utoipa::{IntoParams, ToSchema};
 
 /// Most windows one call returns; `next_from` continues.
 pub const MAX_WINDOWS: i64 = 100;
@@ -24,8 +27,9 @@ pub fn router() -> Router<AppState> {
 }
 
 /// Query of `GET /v1/windows/...`.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, IntoParams)]
 #[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
 pub struct WindowsQuery {
     /// RFC 3339; windows starting at or after it (default: 10 windows ago).
     pub from: Option<String>,
@@ -36,7 +40,7 @@ pub struct WindowsQuery {
 }
 
 /// One region's part of a window.
-#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, ToSchema)]
 pub struct RegionAccount {
     pub granted: i64,
     pub returned: i64,
@@ -48,8 +52,10 @@ pub struct RegionAccount {
     pub demand_per_sec: f64,
 }
 
-/// One window's accounting.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+/// One window's accounting. `bound = limit + Σ fallback allowances` of the
+/// regions seen in the window; `stranded = granted − consumed − returned`,
+/// final (and non-zero) only once the window has closed.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, ToSchema)]
 pub struct WindowAccount {
     pub window_start: DateTime<Utc>,
     pub window_end: DateTime<Utc>,
@@ -70,7 +76,7 @@ pub struct WindowAccount {
 }
 
 /// `GET /v1/windows/...` answer.
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Serialize, Deserialize, ToSchema)]
 pub struct WindowsPage {
     pub tenant: String,
     pub resource: String,
@@ -95,7 +101,21 @@ struct Row {
     r_demand: Option<f64>,
 }
 
-async fn list(
+/// `GET /v1/windows/{tenant}/{resource}`.
+#[utoipa::path(
+    get,
+    path = "/v1/windows/{tenant}/{resource}",
+    params(("tenant" = String, Path), ("resource" = String, Path), WindowsQuery),
+    responses(
+        (status = 200, description = "Per-window accounting, oldest first", body = WindowsPage),
+        (status = 401, description = "Missing or wrong admin token", body = ErrorBody),
+        (status = 404, description = "Unknown quota", body = ErrorBody),
+        (status = 422, description = "Invalid parameter; the message names the field", body = ErrorBody),
+    ),
+    security(("admin_token" = [])),
+    tag = "operator"
+)]
+pub(crate) async fn list(
     State(state): State<AppState>,
     ApiPath((tenant, resource)): ApiPath<(String, String)>,
     ApiQuery(q): ApiQuery<WindowsQuery>,
@@ -115,10 +135,25 @@ async fn list(
     if !(1..=MAX_WINDOWS).contains(&limit) {
         return Err(Error::invalid("limit", format!("must be between 1 and {MAX_WINDOWS}, got {limit}")));
     }
+    let (windows, next_from) = accounts(&mut conn, &tenant, &resource, from, to, limit, now).await?;
+    Ok(Json(WindowsPage { tenant, resource, windows, next_from }))
+}
+
+/// The accounting of the first `limit` windows starting in `[from, to)`,
+/// and the start of the next one when there are more.
+pub async fn accounts(
+    conn: &mut PgConnection,
+    tenant: &str,
+    resource: &str,
+    from: DateTime<Utc>,
+    to: DateTime<Utc>,
+    limit: i64,
+    now: DateTime<Utc>,
+) -> Result<(Vec<WindowAccount>, Option<DateTime<Utc>>)> {
     // One extra window tells whether there is a next page.
     let rows: Vec<Row> = sqlx::query_as(include_str!("sql/windows_list.sql"))
-        .bind(&tenant)
-        .bind(&resource)
+        .bind(tenant)
+        .bind(resource)
         .bind(from.timestamp())
         .bind(to.timestamp())
         .bind(limit + 1)
@@ -167,7 +202,7 @@ async fn list(
     for w in &mut windows {
         finish(w);
     }
-    Ok(Json(WindowsPage { tenant, resource, windows, next_from }))
+    Ok((windows, next_from))
 }
 
 /// Derives the totals, the bound and stranded tokens from the region rows.

@@ -1,5 +1,6 @@
 //! `/healthz` (shallow), `/readyz` (Redis reachable), `/metrics`
-//! (Prometheus text) and `/v1/status` (per quota: lease tokens left, their
+//! (Prometheus text), `/openapi.json` (this API's OpenAPI document) and
+//! `/v1/status` (per quota: lease tokens left, their
 //! remaining life, demand, mode, allocator reachability, epoch).
 
 use crate::AppState;
@@ -15,10 +16,39 @@ use serde_json::json;
 /// Routes of this module.
 pub fn router() -> Router<AppState> {
     Router::new()
-        .route("/healthz", get(|| async { Json(json!({"status": "ok"})) }))
+        .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
         .route("/v1/status", get(status))
+        .route("/openapi.json", get(openapi_json))
+}
+
+/// The agent's API description, generated from the handlers' annotations.
+#[derive(utoipa::OpenApi)]
+#[openapi(
+    info(
+        title = "quota regional agent",
+        description = "Admission decisions from leases spent in the region's Redis (DESIGN §5)."
+    ),
+    paths(crate::spend::acquire, status, healthz, readyz, metrics, openapi_json)
+)]
+pub struct ApiDoc;
+
+/// `GET /openapi.json`: this document.
+#[utoipa::path(
+    get,
+    path = "/openapi.json",
+    responses((status = 200, description = "The agent's OpenAPI 3 document", content_type = "application/json")),
+    tag = "agent"
+)]
+pub(crate) async fn openapi_json() -> Json<utoipa::openapi::OpenApi> {
+    Json(<ApiDoc as utoipa::OpenApi>::openapi())
+}
+
+/// `GET /healthz`: shallow liveness.
+#[utoipa::path(get, path = "/healthz", responses((status = 200, description = "The process serves")), tag = "agent")]
+pub(crate) async fn healthz() -> Json<serde_json::Value> {
+    Json(json!({"status": "ok"}))
 }
 
 /// Declares the agent's metric families.
@@ -39,7 +69,17 @@ pub fn describe(m: &Registry) {
     m.describe("agent_epoch", "gauge", "The agent's current epoch");
 }
 
-async fn readyz(State(app): State<AppState>) -> impl IntoResponse {
+/// `GET /readyz`: Redis answers.
+#[utoipa::path(
+    get,
+    path = "/readyz",
+    responses(
+        (status = 200, description = "Redis answers"),
+        (status = 503, description = "store_unavailable", body = quota_shared::wire::ErrorBody),
+    ),
+    tag = "agent"
+)]
+pub(crate) async fn readyz(State(app): State<AppState>) -> impl IntoResponse {
     if app.store.ping().await {
         (StatusCode::OK, Json(json!({"status": "ready"})))
     } else {
@@ -50,12 +90,26 @@ async fn readyz(State(app): State<AppState>) -> impl IntoResponse {
     }
 }
 
-async fn metrics(State(app): State<AppState>) -> impl IntoResponse {
+/// `GET /metrics`: Prometheus text.
+#[utoipa::path(
+    get,
+    path = "/metrics",
+    responses((status = 200, description = "Prometheus text format", content_type = "text/plain")),
+    tag = "agent"
+)]
+pub(crate) async fn metrics(State(app): State<AppState>) -> impl IntoResponse {
     app.metrics.set("agent_allocator_reachable", &[], if app.allocator_reachable() { 1.0 } else { 0.0 });
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], app.metrics.render())
 }
 
-async fn status(State(app): State<AppState>) -> impl IntoResponse {
+/// `GET /v1/status`: per quota lease tokens, expiry, demand, mode, reachability and epoch.
+#[utoipa::path(
+    get,
+    path = "/v1/status",
+    responses((status = 200, description = "{region, agent, epoch, allocator_reachable, quotas: [{tenant, resource, lease_tokens, expires_in_ms, demand_per_sec, mode, ...}]}")),
+    tag = "agent"
+)]
+pub(crate) async fn status(State(app): State<AppState>) -> impl IntoResponse {
     let reachable = app.allocator_reachable();
     let quotas: Vec<_> = app
         .quotas

@@ -45,7 +45,7 @@ fn one() -> i64 {
 }
 
 /// `POST /v1/acquire` body.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct AcquireRequest {
     pub tenant: String,
@@ -100,7 +100,24 @@ fn parse(body: std::result::Result<Bytes, BytesRejection>) -> Result<AcquireRequ
     Ok(req)
 }
 
-async fn acquire(State(app): State<AppState>, body: std::result::Result<Bytes, BytesRejection>) -> Response {
+/// `POST /v1/acquire`: one admission decision.
+#[utoipa::path(
+    post,
+    path = "/v1/acquire",
+    request_body = AcquireRequest,
+    responses(
+        (status = 200, description = "Admitted: {allowed: true, source: lease|fallback, window_start, remaining}; carries RateLimit-Policy and RateLimit"),
+        (status = 400, description = "Malformed JSON", body = quota_shared::wire::ErrorBody),
+        (status = 422, description = "Invalid value; the message names the field", body = quota_shared::wire::ErrorBody),
+        (status = 429, description = "quota_exhausted with retry_after_s and Retry-After"),
+        (status = 503, description = "allocator_unreachable (strict mode) or store_unavailable, with Retry-After"),
+    ),
+    tag = "agent"
+)]
+pub(crate) async fn acquire(
+    State(app): State<AppState>,
+    body: std::result::Result<Bytes, BytesRejection>,
+) -> Response {
     let started = Instant::now();
     let mut policy = None;
     let mut name = String::from("unknown");

@@ -1,6 +1,8 @@
 //! JSON bodies of the allocator's HTTP API (DESIGN §5). The agent is the
 //! allocator's main client, so both sides compile against these types and a
-//! renamed field breaks the build rather than the wire.
+//! renamed field breaks the build rather than the wire. With the `service`
+//! feature each type is also an OpenAPI schema, so both binaries' documents
+//! describe the very types they serialise.
 
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
@@ -9,6 +11,7 @@ use uuid::Uuid;
 /// What a region does when it holds no valid lease and cannot reach the
 /// allocator.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[cfg_attr(feature = "service", derive(utoipa::ToSchema))]
 #[serde(rename_all = "lowercase")]
 pub enum FailMode {
     /// Admit up to `fallback_per_region` per window from a region counter.
@@ -40,6 +43,7 @@ impl FailMode {
 /// `PUT /v1/policies/{tenant}/{resource}` body. Omitted fields get the
 /// documented defaults (see the allocator's `policies` module).
 #[derive(Debug, Clone, Serialize, Deserialize, Default)]
+#[cfg_attr(feature = "service", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct PolicySpec {
     /// `G`: tokens per window.
@@ -66,6 +70,7 @@ pub struct PolicySpec {
 
 /// A policy in force.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[cfg_attr(feature = "service", derive(utoipa::ToSchema))]
 pub struct Policy {
     pub tenant: String,
     pub resource: String,
@@ -83,6 +88,7 @@ pub struct Policy {
 
 /// `POST /v1/agents/register` body.
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "service", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct RegisterRequest {
     pub region: String,
@@ -91,6 +97,7 @@ pub struct RegisterRequest {
 
 /// `POST /v1/agents/register` answer.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[cfg_attr(feature = "service", derive(utoipa::ToSchema))]
 pub struct RegisterResponse {
     pub region: String,
     pub agent: String,
@@ -100,6 +107,7 @@ pub struct RegisterResponse {
 
 /// Which window a grant is for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[cfg_attr(feature = "service", derive(utoipa::ToSchema))]
 #[serde(rename_all = "lowercase")]
 pub enum WindowSel {
     /// The window that contains the allocator's "now".
@@ -123,6 +131,7 @@ impl WindowSel {
 /// `POST /v1/grants` body. `(region, agent, epoch, seq)` is the idempotency
 /// key (I3).
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[cfg_attr(feature = "service", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct GrantRequest {
     pub tenant: String,
@@ -141,6 +150,7 @@ pub struct GrantRequest {
 
 /// The pool as seen right after a grant.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[cfg_attr(feature = "service", derive(utoipa::ToSchema))]
 pub struct PoolSnapshot {
     pub limit: i64,
     pub granted: i64,
@@ -149,6 +159,7 @@ pub struct PoolSnapshot {
 
 /// `POST /v1/grants` answer.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[cfg_attr(feature = "service", derive(utoipa::ToSchema))]
 pub struct GrantResponse {
     pub lease_id: Uuid,
     pub tenant: String,
@@ -177,6 +188,7 @@ pub struct GrantResponse {
 
 /// `POST /v1/leases/{lease_id}/release` body.
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "service", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct ReleaseRequest {
     /// The sender's current epoch for the lease's `(region, agent)`.
@@ -187,6 +199,7 @@ pub struct ReleaseRequest {
 
 /// One lease as the ledger knows it.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[cfg_attr(feature = "service", derive(utoipa::ToSchema))]
 pub struct LeaseView {
     pub lease_id: Uuid,
     pub tenant: String,
@@ -211,6 +224,7 @@ pub struct LeaseView {
 
 /// One quota's counts for one window in a report.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[cfg_attr(feature = "service", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct ReportItem {
     pub tenant: String,
@@ -224,6 +238,7 @@ pub struct ReportItem {
 
 /// `POST /v1/reports` body; idempotent by `report_id` (I7).
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[cfg_attr(feature = "service", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct ReportRequest {
     pub region: String,
@@ -235,6 +250,7 @@ pub struct ReportRequest {
 
 /// `POST /v1/reports` answer.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[cfg_attr(feature = "service", derive(utoipa::ToSchema))]
 pub struct ReportResponse {
     /// Items applied (on a replay, the count applied the first time).
     pub accepted: i64,
@@ -242,6 +258,7 @@ pub struct ReportResponse {
 
 /// Every error answer: `{"error": "<code>", "message": "..."}`.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[cfg_attr(feature = "service", derive(utoipa::ToSchema))]
 pub struct ErrorBody {
     pub error: String,
     pub message: String,

@@ -92,3 +92,60 @@ pub async fn table_counts(db: &sqlx::PgPool) -> Vec<(String, i64)> {
     out.push(("pool.granted+returned".into(), granted.unwrap_or(0)));
     out
 }
+
+/// A report body of one item for `{region}-1`.
+pub fn report_body(
+    region: &str,
+    epoch: i64,
+    id: &str,
+    window_start: &Value,
+    consumed: i64,
+    fallback: i64,
+) -> Value {
+    json!({"region": region, "agent": format!("{region}-1"), "epoch": epoch, "report_id": id,
+        "items": [{"tenant": "atlas", "resource": "read", "window_start": window_start,
+                   "consumed": consumed, "fallback_admitted": fallback}]})
+}
+
+/// The operator scenario on `atlas/read` (limit 1000 per 60 s window,
+/// fallback 50 per region), driven through the API with `clock`:
+///
+/// * window 10:00: EU is granted 300 and US 200; EU reports 250 consumed and
+///   releases 50 unspent while the window is open; US reports 150 consumed
+///   and, after losing the allocator, 40 fallback admits, and never releases.
+///   Closed: granted 500, returned 50, admitted 440 (EU 250, US 190),
+///   bound 1100, held, stranded 50 (all US).
+/// * window 10:01: reports only, EU 950 consumed and US 200 fallback:
+///   admitted 1150 above the bound 1100, so the bound is not held.
+///
+/// Leaves the clock at 10:02:30, so both windows are closed.
+pub async fn operator_scenario(http: &Http, clock: &quota_shared::clock::OffsetClock) {
+    let at = |s: &str| chrono::DateTime::parse_from_rfc3339(s).unwrap().with_timezone(&chrono::Utc);
+    clock.set_now(at("2026-12-02T10:00:05Z"));
+    put_policy(
+        http,
+        "atlas",
+        "read",
+        json!({"limit": 1000, "window_secs": 60, "chunk_max": 500, "fallback_per_region": 50}),
+    )
+    .await;
+    let eu = register(http, "eu", "eu-1").await;
+    let us = register(http, "us", "us-1").await;
+    let a = grant(http, &grant_body("atlas", "read", "eu", "eu-1", eu, 1, 300, 10.0)).await.expect(200);
+    assert_eq!(a.body["tokens"], 300, "{}", a.body);
+    let b = grant(http, &grant_body("atlas", "read", "us", "us-1", us, 1, 200, 5.0)).await.expect(200);
+    assert_eq!(b.body["tokens"], 200, "{}", b.body);
+    let w0 = json!("2026-12-02T10:00:00Z");
+    http.post("/v1/reports", &report_body("eu", eu, "eu-r1", &w0, 250, 0)).await.expect(200);
+    let lease = a.body["lease_id"].as_str().unwrap();
+    http.post(&format!("/v1/leases/{lease}/release"), &json!({"epoch": eu, "unspent": 50})).await.expect(200);
+    http.post("/v1/reports", &report_body("us", us, "us-r1", &w0, 150, 0)).await.expect(200);
+    clock.set_now(at("2026-12-02T10:00:50Z"));
+    http.post("/v1/reports", &report_body("us", us, "us-r2", &w0, 0, 40)).await.expect(200);
+
+    clock.set_now(at("2026-12-02T10:01:30Z"));
+    let w1 = json!("2026-12-02T10:01:00Z");
+    http.post("/v1/reports", &report_body("eu", eu, "eu-r2", &w1, 950, 0)).await.expect(200);
+    http.post("/v1/reports", &report_body("us", us, "us-r3", &w1, 0, 200)).await.expect(200);
+    clock.set_now(at("2026-12-02T10:02:30Z"));
+}

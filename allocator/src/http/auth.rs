@@ -17,17 +17,25 @@ pub struct Tokens {
     pub admin: Option<String>,
 }
 
-/// Who made a request, recorded as `updated_by` and in ledger events.
+/// The principal of a request to a route class without a configured token
+/// (only possible on a loopback address, see `serve`).
+pub const ANONYMOUS: &str = "anonymous/loopback";
+
+/// Who made a request (the token's name: `agent`, `admin`, or
+/// [`ANONYMOUS`]), recorded as `updated_by` and in ledger events.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Principal(pub &'static str);
 
-/// Byte-wise comparison whose time depends only on the lengths.
+/// Byte-wise comparison whose time depends only on the lengths: every byte
+/// is visited and folded into one accumulator, with no early exit, and
+/// `black_box` keeps the optimiser from turning the fold back into a
+/// short-circuiting compare.
 pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    let mut diff = (a.len() ^ b.len()) as u8 | u8::from(a.len() != b.len());
+    let mut diff = u8::from(a.len() != b.len());
     for i in 0..a.len().max(b.len()) {
-        diff |= a.get(i).copied().unwrap_or(0) ^ b.get(i).copied().unwrap_or(0);
+        diff |= std::hint::black_box(a.get(i).copied().unwrap_or(0) ^ b.get(i).copied().unwrap_or(0));
     }
-    diff == 0
+    std::hint::black_box(diff) == 0
 }
 
 fn bearer(req: &Request) -> Option<&str> {
@@ -50,7 +58,7 @@ pub async fn require_agent(
     let tokens = &state.auth;
     let presented = bearer(&req);
     let principal = if tokens.agent.is_none() {
-        Principal("anonymous")
+        Principal(ANONYMOUS)
     } else if matches(presented, &tokens.agent) {
         Principal("agent")
     } else if matches(presented, &tokens.admin) {
@@ -73,7 +81,7 @@ pub async fn require_admin(
     let tokens = &state.auth;
     let presented = bearer(&req);
     let principal = if tokens.admin.is_none() {
-        Principal("anonymous")
+        Principal(ANONYMOUS)
     } else if matches(presented, &tokens.admin) {
         Principal("admin")
     } else {

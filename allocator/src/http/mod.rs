@@ -1,11 +1,21 @@
 //! The HTTP surface: one router per resource module, merged here, with the
 //! body limit, auth per route class and request metrics.
+//!
+//! Route classes (DESIGN §5 Security): agent routes take the agent token;
+//! policy reads and writes, operator reads (windows, ledger, leases,
+//! explain) and the `/ui` dashboard take the admin token, presented only in
+//! the `Authorization` header (a token in a query string would end up in
+//! access logs and browser history), and are open only when no admin token
+//! is configured, which `serve` allows on loopback only; `/healthz`,
+//! `/readyz`, `/metrics` and `/openapi.json` are public.
 
 pub mod auth;
 pub mod extract;
 pub mod metrics;
 
-use crate::{agents, grants, health, leases, ledger, policies, reports, windows, AppState, Error};
+use crate::{
+    agents, explain, grants, health, leases, ledger, openapi, policies, reports, ui, windows, AppState, Error,
+};
 use axum::extract::{DefaultBodyLimit, Request};
 use axum::middleware::from_fn_with_state;
 use axum::Router;
@@ -32,11 +42,14 @@ pub fn router(state: AppState) -> Router {
         .merge(leases::admin_router())
         .merge(windows::router())
         .merge(ledger::router())
+        .merge(explain::router())
+        .merge(ui::router())
         .route_layer(from_fn_with_state(state.clone(), auth::require_admin));
     Router::new()
         .merge(agent_routes)
         .merge(admin_routes)
         .merge(health::router())
+        .merge(openapi::router())
         .fallback(|req: Request| async move { Error::NoRoute(req.uri().path().to_string()) })
         .layer(from_fn_with_state(state.clone(), metrics::track))
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))

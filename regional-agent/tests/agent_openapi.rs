@@ -1,0 +1,51 @@
+//! The agent's `GET /openapi.json` documents every route the agent serves.
+
+mod common;
+
+use common::World;
+use serde_json::json;
+use std::collections::BTreeSet;
+
+/// Every route of the agent's router, as (method, path). The test compares
+/// this list with the document and calls each route, so a documented route
+/// the agent does not serve, or a served one missing from the document (once
+/// listed here), fails.
+const ROUTES: &[(&str, &str)] = &[
+    ("post", "/v1/acquire"),
+    ("get", "/v1/status"),
+    ("get", "/healthz"),
+    ("get", "/readyz"),
+    ("get", "/metrics"),
+    ("get", "/openapi.json"),
+];
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn openapi_documents_exactly_the_agent_routes_and_each_is_served() {
+    let w = World::start().await;
+    w.policy("atlas", "read", json!({"limit": 100, "window_secs": 3600})).await;
+    let a = w.agent("eu", "eu-1", None, &[]).await;
+
+    let doc = a.http.get("/openapi.json").await.expect(200).body;
+    assert!(doc["openapi"].as_str().is_some_and(|v| v.starts_with("3.")), "{doc}");
+    let documented: BTreeSet<(String, String)> = doc["paths"]
+        .as_object()
+        .expect("paths")
+        .iter()
+        .flat_map(|(path, ops)| {
+            ops.as_object().unwrap().keys().map(move |m| (m.clone(), path.clone())).collect::<Vec<_>>()
+        })
+        .collect();
+    let expected: BTreeSet<(String, String)> =
+        ROUTES.iter().map(|(m, p)| (m.to_string(), p.to_string())).collect();
+    assert_eq!(documented, expected);
+
+    for (method, path) in ROUTES {
+        let r = match *method {
+            "post" => a.http.post(path, &json!({"tenant": "atlas", "resource": "read"})).await,
+            _ => a.http.get(path).await,
+        };
+        assert_ne!(r.error(), "not_found", "{method} {path} is not served: {}", r.body);
+        assert_eq!(r.status, 200, "{method} {path}: {}", r.body);
+    }
+    assert_eq!(a.http.get("/v1/nothing").await.error(), "not_found", "the fallback answers not_found");
+}

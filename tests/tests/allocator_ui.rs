@@ -1,0 +1,118 @@
+//! The `/ui` dashboard rendered by a real headless Chromium: a screenshot
+//! and the DOM after rendering, which must show the numbers of the operator
+//! scenario. Chromium is the Debian package `chromium`; without it this test
+//! fails and says so.
+
+use quota_shared::clock::OffsetClock;
+use quota_tests::app::{Options, TestAllocator};
+use quota_tests::fixtures::operator_scenario;
+use quota_tests::http::Http;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+fn chromium() -> PathBuf {
+    ["chromium", "chromium-browser", "google-chrome"]
+        .iter()
+        .find_map(|name| quota_tests::procs::find_binary(name, &[]))
+        .unwrap_or_else(|| {
+            panic!(
+                "headless Chromium not found: install the Debian package `chromium` \
+                 (apt-get install -y --no-install-recommends chromium); .ci/run installs it when missing"
+            )
+        })
+}
+
+/// Runs headless Chromium with `args` then `url`, returning stdout.
+async fn run_chromium(bin: &Path, profile: &Path, args: &[String], url: &str) -> String {
+    let mut cmd = tokio::process::Command::new(bin);
+    cmd.args([
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--disable-background-networking",
+        "--no-first-run",
+        "--hide-scrollbars",
+    ])
+    .arg(format!("--user-data-dir={}", profile.display()))
+    .args(args)
+    .arg(url)
+    .kill_on_drop(true);
+    let out = tokio::time::timeout(Duration::from_secs(90), cmd.output())
+        .await
+        .expect("chromium finished within 90 s")
+        .expect("chromium started");
+    assert!(out.status.success(), "chromium failed: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dashboard_renders_in_headless_chromium_with_the_scenario_numbers() {
+    let bin = chromium();
+    let db = quota_tests::pg::TestDb::start().await;
+    let clock = Arc::new(OffsetClock::default());
+    // No tokens: the dashboard is open on loopback, so Chromium needs no header.
+    let alloc =
+        TestAllocator::spawn_with(&db.url, Options { clock: Some(clock.clone()), ..Default::default() })
+            .await;
+    let http = Http::new(&alloc.base);
+    operator_scenario(&http, &clock).await;
+    let dir = tempfile::tempdir().expect("tempdir");
+
+    let index =
+        run_chromium(&bin, &dir.path().join("p1"), &["--dump-dom".into()], &format!("{}/ui", alloc.base))
+            .await;
+    assert!(index.contains("href=\"/ui/quotas/atlas/read\""), "{index}");
+    assert!(index.contains("<td data-field=\"limit\">1000</td>"), "{index}");
+
+    let url = format!("{}/ui/quotas/atlas/read", alloc.base);
+    let dom = run_chromium(&bin, &dir.path().join("p2"), &["--dump-dom".into()], &url).await;
+    assert!(dom.contains("<svg id=\"chart\""), "the chart is inline SVG: {dom}");
+    assert!(dom.contains("class=\"bound\"") && dom.contains("class=\"limit\""), "{dom}");
+    assert!(dom.contains("http-equiv=\"refresh\""), "{dom}");
+    let row = |start: &str| {
+        let key = format!("<tr data-window=\"{start}\">");
+        let from = dom.find(&key).unwrap_or_else(|| panic!("no row for {start}: {dom}"));
+        let to = dom[from..].find("</tr>").unwrap() + from;
+        dom[from..to].to_string()
+    };
+    let w0 = row("2026-12-02T10:00:00Z");
+    for cell in [
+        "<td data-field=\"limit\">1000</td>",
+        "<td data-field=\"bound\">1100</td>",
+        "<td data-field=\"admitted\">440</td>",
+        "<td data-region=\"eu\">250</td>",
+        "<td data-region=\"us\">190</td>",
+        "<td data-field=\"fallback_admitted\">40</td>",
+        "<td data-field=\"fallback_share\">9.1%</td>",
+        "<td data-field=\"stranded\">50</td>",
+        "<td data-field=\"bound_held\">yes</td>",
+    ] {
+        assert!(w0.contains(cell), "window 10:00 lacks {cell}: {w0}");
+    }
+    let w1 = row("2026-12-02T10:01:00Z");
+    for cell in [
+        "<td data-field=\"admitted\">1150</td>",
+        "<td data-region=\"eu\">950</td>",
+        "<td data-region=\"us\">200</td>",
+        "<td data-field=\"bound_held\" class=\"bad\">NO</td>",
+    ] {
+        assert!(w1.contains(cell), "window 10:01 lacks {cell}: {w1}");
+    }
+
+    let png = dir.path().join("quota.png");
+    run_chromium(
+        &bin,
+        &dir.path().join("p3"),
+        &[format!("--screenshot={}", png.display()), "--window-size=1280,900".into()],
+        &url,
+    )
+    .await;
+    let bytes = std::fs::read(&png).expect("chromium wrote the screenshot");
+    assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n", "PNG signature");
+    assert!(bytes.len() > 10_000, "a rendered page, not a blank one: {} bytes", bytes.len());
+    if let Ok(keep) = std::env::var("UI_SCREENSHOT") {
+        std::fs::copy(&png, keep).expect("copy screenshot");
+    }
+}
