@@ -43,6 +43,13 @@ pub fn ensure() -> Result<Bins, String> {
             return Err(format!("cargo build of the service binaries failed ({status})"));
         }
     }
+    locate()
+}
+
+/// The service binaries next to this executable, without building them
+/// (`cargo test --workspace` has built them already).
+pub fn locate() -> Result<Bins, String> {
+    let dir = profile_dir()?;
     let bins = Bins { allocator: dir.join("allocator"), agent: dir.join("regional-agent") };
     for b in [&bins.allocator, &bins.agent] {
         if !b.is_file() {

@@ -32,6 +32,8 @@ pub struct WindowRow {
     pub late: bool,
     /// Admitted per region (ground truth).
     pub regions: BTreeMap<String, u64>,
+    /// Stranded per region (the allocator's accounting).
+    pub stranded_by_region: BTreeMap<String, i64>,
 }
 
 /// One scenario's result.
@@ -76,6 +78,9 @@ pub fn rows(tally: &Tally, accounts: &BTreeMap<i64, WindowAccount>, secs: i64) -
                 ledger_admitted: acc.map(|a| a.admitted).unwrap_or(0),
                 late: c.last_admit_sent_ms >= (ws + secs) * 1000,
                 regions: regions.iter().map(|(r, c)| (r.clone(), c.admitted())).collect(),
+                stranded_by_region: acc
+                    .map(|a| a.regions.iter().map(|(r, x)| (r.clone(), x.stranded)).collect())
+                    .unwrap_or_default(),
             }
         })
         .collect()

@@ -91,7 +91,11 @@ impl Demand {
     pub fn sample(&mut self, total: i64, at: Instant) {
         if let Some((prev, t)) = self.last_total {
             let dt = at.duration_since(t).as_secs_f64();
-            if dt >= 0.02 {
+            // Readings come every few tens of ms; over so short a span one
+            // request looks like a burst of 50/s, and the burst rule below
+            // would inflate a slow region's demand, so its leases, and strand
+            // tokens other regions need (DESIGN §4 skew).
+            if dt >= MIN_SAMPLE_SECS {
                 let inst = ((total - prev).max(0)) as f64 / dt;
                 let alpha = 1.0 - (-dt).exp();
                 self.rate += alpha * (inst - self.rate);
@@ -106,6 +110,9 @@ impl Demand {
         }
     }
 }
+
+/// Shortest span a demand reading is taken over.
+const MIN_SAMPLE_SECS: f64 = 0.25;
 
 /// Renewal bookkeeping of one quota.
 #[derive(Debug, Default)]
@@ -233,6 +240,17 @@ mod tests {
             d.sample(i * 10, t0 + Duration::from_millis(i as u64 * 100));
         }
         assert!((d.rate - 100.0).abs() < 5.0, "{}", d.rate);
+    }
+
+    #[test]
+    fn a_slow_trickle_read_every_20_ms_is_not_mistaken_for_bursts() {
+        let mut d = Demand::default();
+        let t0 = Instant::now();
+        // One request every 50 ms (20/s), the counter read every 20 ms.
+        for i in 0..=250u64 {
+            d.sample((i * 20 / 50) as i64, t0 + Duration::from_millis(i * 20));
+        }
+        assert!((d.rate - 20.0).abs() < 3.0, "{}", d.rate);
     }
 
     #[test]
