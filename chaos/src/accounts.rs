@@ -104,7 +104,7 @@ pub async fn settled(
         let acc = windows(admin, tenant, resource, first, last + secs).await?;
         let rows = crate::report::rows(tally, &acc, secs);
         let closed = grouped.keys().all(|ws| acc.get(ws).is_none_or(|a| a.closed));
-        let agree = closed && crate::report::check_windows(&rows, |_| i64::MAX).is_empty();
+        let agree = closed && crate::report::check_windows(&rows, |_| i64::MAX, |_| 0).is_empty();
         if agree || tokio::time::Instant::now() >= deadline {
             return Ok(acc);
         }

@@ -113,7 +113,7 @@ async fn drive(stack: &Stack, args: &DemoArgs) -> Result<bool, String> {
         if interrupted { Duration::from_secs(3) } else { Duration::from_secs(WINDOW_SECS as u64 + 15) };
     let acc = accounts::settled(&stack.admin, TENANT, RESOURCE, &tally, WINDOW_SECS, settle).await?;
     let rows = report::rows(&tally, &acc, WINDOW_SECS);
-    let failed = report::check_windows(&rows, |r| r.bound);
+    let failed = report::check_windows(&rows, |r| r.bound, |_| 0);
     println!("\n{}", summary(&rows, &acc));
     let path = args.chart.clone().unwrap_or_else(|| report::target_dir().join("demo").join("windows.svg"));
     if let Some(dir) = path.parent() {

@@ -67,16 +67,30 @@ impl Drop for Net {
     }
 }
 
-/// Why the scenario cannot run here, if it cannot.
+/// Why the scenario cannot run here, if it cannot: root, `ip`, and the
+/// right to create a namespace and a veth pair (a container may lack it).
 fn unsupported() -> Option<String> {
     if !quota_tests::procs::is_root() {
         return Some("needs root to create network namespaces".into());
     }
-    match Command::new("ip").args(["netns", "list"]).output() {
-        Ok(o) if o.status.success() => None,
-        Ok(o) => Some(format!("`ip netns` fails here: {}", String::from_utf8_lossy(&o.stderr).trim())),
-        Err(e) => Some(format!("no `ip` command (iproute2): {e}")),
-    }
+    let probe = format!("qlabprobe{}", std::process::id() % 100_000);
+    let link = format!("qp{}h", std::process::id() % 100_000);
+    let made = ip(&["netns", "add", &probe]).and_then(|()| {
+        let veth = ip(&[
+            "link",
+            "add",
+            &link,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            &format!("qp{}n", std::process::id() % 100_000),
+        ]);
+        let _ = ip(&["link", "del", &link]);
+        veth
+    });
+    let _ = ip(&["netns", "del", &probe]);
+    made.err().map(|e| format!("cannot create a network namespace and veth pair here: {e}"))
 }
 
 pub async fn partition(p: &Profile, bins: Bins) -> Result<ScenarioReport, String> {
