@@ -2,45 +2,10 @@
 //! numbers the ground truth of [`crate::traffic`] is compared with.
 
 use quota_tests::http::Http;
-use serde::Deserialize;
 use std::collections::BTreeMap;
 
-/// One region's part of a window, as the allocator counts it.
-#[derive(Debug, Clone, Default, Deserialize)]
-pub struct RegionAccount {
-    pub granted: i64,
-    pub returned: i64,
-    pub consumed: i64,
-    pub fallback_admitted: i64,
-    pub admitted: i64,
-    pub stranded: i64,
-}
-
-/// One window, as the allocator counts it.
-#[derive(Debug, Clone, Deserialize)]
-pub struct WindowAccount {
-    pub window_start: chrono::DateTime<chrono::Utc>,
-    pub window_secs: i64,
-    pub closed: bool,
-    pub limit: i64,
-    pub granted: i64,
-    pub returned: i64,
-    pub consumed: i64,
-    pub fallback_admitted: i64,
-    pub admitted: i64,
-    pub overshoot: i64,
-    pub bound: i64,
-    pub bound_held: bool,
-    pub stranded: i64,
-    #[serde(default)]
-    pub regions: BTreeMap<String, RegionAccount>,
-}
-
-#[derive(Deserialize)]
-struct Page {
-    windows: Vec<WindowAccount>,
-    next_from: Option<chrono::DateTime<chrono::Utc>>,
-}
+// The allocator's own answer types: the lab reads exactly what operators read.
+pub use allocator::windows::{RegionAccount, WindowAccount, WindowsPage as Page};
 
 /// Most pages read in one call (each holds up to 100 windows).
 const MAX_PAGES: usize = 100;

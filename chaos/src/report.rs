@@ -126,6 +126,22 @@ pub fn check_windows(
     failed
 }
 
+/// A row's columns, in the order of both tables.
+fn cells(w: &WindowRow) -> [String; 10] {
+    [
+        w.window_start.clone(),
+        w.limit.to_string(),
+        w.bound.to_string(),
+        w.admitted.to_string(),
+        w.overshoot.to_string(),
+        w.stranded.to_string(),
+        w.denied.to_string(),
+        w.unavailable.to_string(),
+        w.ambiguous.to_string(),
+        w.ledger_admitted.to_string(),
+    ]
+}
+
 /// The text table printed for a scenario.
 pub fn text_table(rep: &ScenarioReport) -> String {
     let mut s = String::new();
@@ -136,19 +152,11 @@ pub fn text_table(rep: &ScenarioReport) -> String {
         "window", "G", "bound", "admitted", "overshoot", "stranded", "429", "503", "lost", "ledger"
     );
     for w in &rep.windows {
+        let c = cells(w);
         let _ = writeln!(
             s,
             "{:<21} {:>6} {:>6} {:>8} {:>9} {:>8} {:>7} {:>7} {:>6} {:>8}",
-            w.window_start,
-            w.limit,
-            w.bound,
-            w.admitted,
-            w.overshoot,
-            w.stranded,
-            w.denied,
-            w.unavailable,
-            w.ambiguous,
-            w.ledger_admitted
+            c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7], c[8], c[9]
         );
     }
     for n in &rep.notes {
@@ -200,20 +208,7 @@ pub fn markdown(reports: &[ScenarioReport], command: &str) -> String {
         );
         let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|---|");
         for w in &rep.windows {
-            let _ = writeln!(
-                s,
-                "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
-                w.window_start,
-                w.limit,
-                w.bound,
-                w.admitted,
-                w.overshoot,
-                w.stranded,
-                w.denied,
-                w.unavailable,
-                w.ambiguous,
-                w.ledger_admitted
-            );
+            let _ = writeln!(s, "| {} |", cells(w).join(" | "));
         }
         for n in &rep.notes {
             let _ = writeln!(s, "\n- {n}");
