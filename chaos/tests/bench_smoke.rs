@@ -31,7 +31,11 @@ fn bench_smoke_writes_a_report_with_every_headline_key() {
     assert!(status.success(), "quota-lab bench --smoke exited with {status}");
     let text = std::fs::read_to_string(out.path().join("report.json")).expect("report.json written");
     let report: serde_json::Value = serde_json::from_str(&text).expect("report.json is JSON");
-    assert!(report["machine"]["nproc"].as_u64().unwrap_or(0) >= 1, "machine description: {}", report["machine"]);
+    assert!(
+        report["machine"]["nproc"].as_u64().unwrap_or(0) >= 1,
+        "machine description: {}",
+        report["machine"]
+    );
     assert_eq!(report["command"], "cargo lab bench --smoke");
     let results = &report["results"];
     for key in POSITIVE {
@@ -50,5 +54,7 @@ fn bench_smoke_writes_a_report_with_every_headline_key() {
     } else {
         assert!(report["notes"].to_string().contains("limitador"), "no note on the missing peer");
     }
-    assert!(std::fs::read_to_string(out.path().join("report.md")).expect("report.md").contains("| clients |"));
+    assert!(std::fs::read_to_string(out.path().join("report.md"))
+        .expect("report.md")
+        .contains("| clients |"));
 }

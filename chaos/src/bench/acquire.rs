@@ -17,11 +17,11 @@
 use super::hist::{closed_loop, Medians, Op, Sample};
 use super::rig::Rig;
 use super::{Plan, Results};
+use futures::FutureExt;
 use quota_tests::redis::TestRedis;
 use regional_agent::keys::Keys;
 use regional_agent::store::{Reply, SPEND};
 use serde_json::json;
-use futures::FutureExt;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -68,7 +68,8 @@ fn acquire_op(client: reqwest::Client, base: &str) -> Op {
             } else {
                 Err(format!("acquire answered {status}"))
             }
-        }.boxed()
+        }
+        .boxed()
     })
 }
 
@@ -85,7 +86,8 @@ fn healthz_op(client: reqwest::Client, base: &str) -> Op {
             } else {
                 Err(format!("healthz answered {status}"))
             }
-        }.boxed()
+        }
+        .boxed()
     })
 }
 
@@ -127,7 +129,8 @@ fn spend_op(conn: redis::aio::ConnectionManager, a: SpendArgs) -> Op {
                 "lease" => Ok(()),
                 other => Err(format!("spend script answered {other:?}")),
             }
-        }.boxed()
+        }
+        .boxed()
     })
 }
 
@@ -147,19 +150,18 @@ fn limitador_op(limiter: Arc<limitador::AsyncRateLimiter>) -> Op {
             } else {
                 Ok(())
             }
-        }.boxed()
+        }
+        .boxed()
     })
 }
 
 #[cfg(feature = "limitador-peer")]
 async fn limitador(redis_url: &str) -> Result<Arc<limitador::AsyncRateLimiter>, String> {
-    let storage = tokio::time::timeout(
-        CALL_TIMEOUT,
-        limitador::storage::redis::AsyncRedisStorage::new(redis_url),
-    )
-    .await
-    .map_err(|_| "limitador: connecting to Redis timed out".to_string())?
-    .map_err(|e| format!("limitador: connecting to Redis: {e}"))?;
+    let storage =
+        tokio::time::timeout(CALL_TIMEOUT, limitador::storage::redis::AsyncRedisStorage::new(redis_url))
+            .await
+            .map_err(|_| "limitador: connecting to Redis timed out".to_string())?
+            .map_err(|e| format!("limitador: connecting to Redis: {e}"))?;
     let limiter = limitador::AsyncRateLimiter::new_with_storage(Box::new(storage));
     limiter.add_limit(limitador::limit::Limit::new(
         TENANT,

@@ -10,11 +10,11 @@
 use super::hist::{closed_loop, median, Medians, Op, Sample};
 use super::rig::Rig;
 use super::{Plan, Results};
+use futures::FutureExt;
 use quota_tests::http::Http;
 use serde_json::json;
 use sqlx::postgres::PgPoolOptions;
 use std::path::PathBuf;
-use futures::FutureExt;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -83,7 +83,8 @@ fn grant_op(targets: Vec<Http>, quotas: Quotas, agents: Arc<Vec<(String, i64)>>)
             } else {
                 Err(format!("grant answered {} {}", r.status, r.body))
             }
-        }.boxed()
+        }
+        .boxed()
     })
 }
 
@@ -94,13 +95,20 @@ async fn register(admin: &Http, run: &str) -> Result<Arc<Vec<(String, i64)>>, St
     for c in 0..AGENTS {
         let name = format!("{run}-{c}");
         let r = admin.post("/v1/agents/register", &json!({"region": "bench", "agent": name})).await;
-        let epoch = r.body["epoch"].as_i64().ok_or_else(|| format!("register {name}: {} {}", r.status, r.body))?;
+        let epoch =
+            r.body["epoch"].as_i64().ok_or_else(|| format!("register {name}: {} {}", r.status, r.body))?;
         out.push((name, epoch));
     }
     Ok(Arc::new(out))
 }
 
-async fn grants(rig: &Rig, replicas: usize, quotas: Quotas, dur: Duration, run: &str) -> Result<Sample, String> {
+async fn grants(
+    rig: &Rig,
+    replicas: usize,
+    quotas: Quotas,
+    dur: Duration,
+    run: &str,
+) -> Result<Sample, String> {
     let agents = register(&rig.admin, run).await?;
     let targets = rig.allocators.iter().take(replicas).map(|a| Http::new(&a.base)).collect();
     closed_loop(AGENTS, dur, grant_op(targets, quotas, agents)).await
@@ -172,7 +180,11 @@ impl PgBench {
             .map_err(|e| format!("pgbench: {e}"))?;
         let text = String::from_utf8_lossy(&out.stdout);
         if !out.status.success() {
-            return Err(format!("pgbench failed ({}): {text}{}", out.status, String::from_utf8_lossy(&out.stderr)));
+            return Err(format!(
+                "pgbench failed ({}): {text}{}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr)
+            ));
         }
         let field = |prefix: &str| {
             text.lines()
@@ -225,7 +237,8 @@ pub async fn run(rig: &Rig, plan: &Plan, out: &mut Results, progress: &dyn Fn(&s
         lat_many.push(ml);
         for (i, (name, quotas, replicas)) in cases.iter().enumerate() {
             progress(&format!("grants: {name}, repetition {}/{}", rep + 1, plan.reps));
-            let s = grants(rig, *replicas, *quotas, plan.grants, &format!("g{rep}{}", name.replace('.', ""))).await?;
+            let s = grants(rig, *replicas, *quotas, plan.grants, &format!("g{rep}{}", name.replace('.', "")))
+                .await?;
             let ceiling = if matches!(quotas, Quotas::Hot) { h } else { m };
             ratios[i].push(s.per_s / ceiling.max(f64::MIN_POSITIVE));
             samples[i].push(s);

@@ -64,6 +64,8 @@ pub struct Plan {
     pub util_limit: i64,
     pub util_window_secs: i64,
     pub util_windows: usize,
+    /// Wait after traffic stops for outbox reports and releases to land.
+    pub settle: Duration,
 }
 
 impl Plan {
@@ -84,6 +86,7 @@ impl Plan {
                 util_limit: 100,
                 util_window_secs: 2,
                 util_windows: 1,
+                settle: Duration::from_secs(1),
             }
         } else if args.quick {
             Plan {
@@ -100,6 +103,7 @@ impl Plan {
                 util_limit: 100,
                 util_window_secs: 2,
                 util_windows: 4,
+                settle: Duration::from_secs(3),
             }
         } else {
             Plan {
@@ -116,6 +120,7 @@ impl Plan {
                 util_limit: 200,
                 util_window_secs: 4,
                 util_windows: 8,
+                settle: Duration::from_secs(3),
             }
         }
     }
@@ -196,15 +201,17 @@ pub async fn run(args: BenchArgs) -> Result<bool, String> {
     acquire::run(&rig, &plan, &mut out, &say).await?;
     renewal::run(&rig, &plan, &mut out, &say).await?;
     grants::run(&rig, &plan, &mut out, &say).await?;
+    let bins = rig.bins.clone();
     drop(rig);
-    utilization::run(&plan, &mut out, &say).await?;
+    utilization::run(bins, &plan, &mut out, &say).await?;
 
     let targets = table::targets(&out);
     let md = table::markdown(&plan, &machine, &out, &targets);
     println!("{md}");
     let dir = args.out.clone().unwrap_or_else(|| crate::report::target_dir().join("bench"));
     std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-    std::fs::write(dir.join("report.md"), &md).map_err(|e| format!("{}: {e}", dir.join("report.md").display()))?;
+    std::fs::write(dir.join("report.md"), &md)
+        .map_err(|e| format!("{}: {e}", dir.join("report.md").display()))?;
     let report = Report {
         command: plan.command(),
         argv: std::env::args().collect(),

@@ -73,7 +73,7 @@ pub async fn run(rig: &Rig, plan: &Plan, out: &mut Results, progress: &dyn Fn(&s
     if admits == 0 {
         return Err("renewal: no request was admitted at steady demand".into());
     }
-    let refused: u64 = tally.values().map(|r| traffic::total(r)).map(|c| c.denied + c.unavailable).sum();
+    let refused: u64 = tally.values().map(traffic::total).map(|c| c.denied + c.unavailable).sum();
     if refused > 0 {
         out.note(format!("renewal: {refused} requests refused (429/503) at steady demand below G"));
     }

@@ -58,7 +58,8 @@ impl Rig {
         cmd.env("DATABASE_URL", &self.db.url)
             .env("ALLOCATOR_LISTEN", &addr)
             .env("RUST_LOG", std::env::var("ALLOCATOR_LOG").unwrap_or_else(|_| "warn".into()));
-        let child = Child::spawn("allocator", cmd, &log, None).map_err(|e| format!("spawn allocator: {e}"))?;
+        let child =
+            Child::spawn("allocator", cmd, &log, None).map_err(|e| format!("spawn allocator: {e}"))?;
         let base = format!("http://{addr}");
         let http = Http::new(&base);
         let deadline = tokio::time::Instant::now() + Duration::from_secs(60);

@@ -25,7 +25,12 @@ const TARGETS: [(&str, &str, f64, bool); 8] = [
     ("utilization.contention", "contention: admitted / min(G, demand) (%)", 99.0, true),
     ("stranded_pct", "stranded per window, worst scenario (% of G)", 2.0, false),
     ("utilization.skew.min_region_served_pct", "skew: least-served region (% of its demand)", 98.0, true),
-    ("utilization.contention.max_share_gap_pts", "contention: share of admits vs demand (points)", 10.0, false),
+    (
+        "utilization.contention.max_share_gap_pts",
+        "contention: share of admits vs demand (points)",
+        10.0,
+        false,
+    ),
 ];
 
 /// The targets checked against `r`.
@@ -97,7 +102,10 @@ pub fn markdown(plan: &Plan, m: &Machine, r: &Results, targets: &[TargetRow]) ->
     }
 
     let _ = writeln!(s, "\n## Allocator grants (64 concurrent agents, want 1)\n");
-    let _ = writeln!(s, "| quotas | replicas | grants/s | p50 ms | p99 ms | pgbench tps (ceiling) | ratio to ceiling |");
+    let _ = writeln!(
+        s,
+        "| quotas | replicas | grants/s | p50 ms | p99 ms | pgbench tps (ceiling) | ratio to ceiling |"
+    );
     let _ = writeln!(s, "|---|---|---|---|---|---|---|");
     for (case, quotas, replicas, pg) in [
         ("hot.r1", "1 hot".to_string(), 1, "hot"),
@@ -125,7 +133,10 @@ pub fn markdown(plan: &Plan, m: &Machine, r: &Results, targets: &[TargetRow]) ->
             format!("allocator calls per 1,000 admits ({} req/s steady, default policy)", plan.steady_rate),
             v(r, "renewals_per_1000_admits"),
         ),
-        ("grant calls / admits counted".into(), format!("{} / {}", v(r, "renewal.grant_calls"), v(r, "renewal.admits"))),
+        (
+            "grant calls / admits counted".into(),
+            format!("{} / {}", v(r, "renewal.grant_calls"), v(r, "renewal.admits")),
+        ),
     ];
     for sc in ["skew", "contention"] {
         let k = |x: &str| format!("utilization.{sc}.{x}");
@@ -134,13 +145,23 @@ pub fn markdown(plan: &Plan, m: &Machine, r: &Results, targets: &[TargetRow]) ->
         for region in super::utilization::REGIONS {
             rows.push((
                 format!("{sc}: region {region} served % / share of admits %"),
-                format!("{} / {}", v(r, &k(&format!("{region}.served_pct"))), v(r, &k(&format!("{region}.share_of_admits_pct")))),
+                format!(
+                    "{} / {}",
+                    v(r, &k(&format!("{region}.served_pct"))),
+                    v(r, &k(&format!("{region}.share_of_admits_pct")))
+                ),
             ));
         }
-        rows.push((format!("{sc}: max gap share of admits vs demand (points)"), v(r, &k("max_share_gap_pts"))));
+        rows.push((
+            format!("{sc}: max gap share of admits vs demand (points)"),
+            v(r, &k("max_share_gap_pts")),
+        ));
         rows.push((format!("{sc}: quota-windows measured"), v(r, &k("quota_windows"))));
     }
-    rows.push(("Redis bytes per quota (MEMORY USAGE, summed over its keys)".into(), v(r, "scaling.redis_bytes_per_quota")));
+    rows.push((
+        "Redis bytes per quota (MEMORY USAGE, summed over its keys)".into(),
+        v(r, "scaling.redis_bytes_per_quota"),
+    ));
     for n in &plan.scaling_quotas {
         let k = |x: &str| format!("scaling.q{n}.{x}");
         rows.push((format!("{n} quotas: allocator RSS MiB"), v(r, &k("allocator_rss_mb"))));
@@ -148,7 +169,10 @@ pub fn markdown(plan: &Plan, m: &Machine, r: &Results, targets: &[TargetRow]) ->
         rows.push((format!("{n} quotas: grants/s"), v(r, &k("grants_per_s"))));
     }
     rows.push((
-        format!("ledger rows/s at {} admits/s on one quota (extrapolated ×3600 → per hour)", v(r, "renewal.admits_per_s")),
+        format!(
+            "ledger rows/s at {} admits/s on one quota (extrapolated ×3600 → per hour)",
+            v(r, "renewal.admits_per_s")
+        ),
         format!("{} → {}", v(r, "scaling.ledger_rows_per_s"), v(r, "scaling.ledger_rows_per_hour")),
     ));
     rows.push(("ledger rows per grant (whole run)".into(), v(r, "scaling.ledger_rows_per_grant")));
@@ -160,7 +184,15 @@ pub fn markdown(plan: &Plan, m: &Machine, r: &Results, targets: &[TargetRow]) ->
     let _ = writeln!(s, "| target | value | required | met |");
     let _ = writeln!(s, "|---|---|---|---|");
     for t in targets {
-        let _ = writeln!(s, "| {} (`{}`) | {} | {} | {} |", t.what, t.key, v(r, &t.key), t.target, if t.met { "yes" } else { "**no**" });
+        let _ = writeln!(
+            s,
+            "| {} (`{}`) | {} | {} | {} |",
+            t.what,
+            t.key,
+            v(r, &t.key),
+            t.target,
+            if t.met { "yes" } else { "**no**" }
+        );
     }
     if !r.notes.is_empty() {
         let _ = writeln!(s, "\n## Notes\n");

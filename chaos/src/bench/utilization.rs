@@ -14,7 +14,6 @@ use crate::stack::{Stack, StackSpec};
 use crate::traffic::{self, RegionLoad, Traffic};
 use serde_json::json;
 use std::collections::BTreeMap;
-use std::time::Duration;
 
 const TENANT: &str = "util";
 pub const REGIONS: [&str; 3] = ["eu", "us", "ap"];
@@ -34,8 +33,12 @@ const SCENARIOS: [Scenario; 2] = [
 ];
 
 /// Runs both scenarios on one stack.
-pub async fn run(plan: &Plan, out: &mut Results, progress: &dyn Fn(&str)) -> Result<(), String> {
-    let bins = crate::bins::ensure()?;
+pub async fn run(
+    bins: crate::bins::Bins,
+    plan: &Plan,
+    out: &mut Results,
+    progress: &dyn Fn(&str),
+) -> Result<(), String> {
     let spec = StackSpec {
         regions: REGIONS.iter().map(|r| (r.to_string(), 1)).collect(),
         allocators: 1,
@@ -47,7 +50,12 @@ pub async fn run(plan: &Plan, out: &mut Results, progress: &dyn Fn(&str)) -> Res
     result
 }
 
-async fn scenarios(stack: &Stack, plan: &Plan, out: &mut Results, progress: &dyn Fn(&str)) -> Result<(), String> {
+async fn scenarios(
+    stack: &Stack,
+    plan: &Plan,
+    out: &mut Results,
+    progress: &dyn Fn(&str),
+) -> Result<(), String> {
     let (g, w) = (plan.util_limit, plan.util_window_secs);
     let urls: BTreeMap<String, Vec<String>> = stack.agent_urls().into_iter().collect();
     let mut stranded_all = Vec::new();
@@ -87,7 +95,7 @@ async fn scenarios(stack: &Stack, plan: &Plan, out: &mut Results, progress: &dyn
         // Agents report consumption and release unspent leases from their
         // outboxes (every 200 ms), and a lease of the last window is
         // released once it expires at the window's end.
-        tokio::time::sleep(Duration::from_secs(3)).await;
+        tokio::time::sleep(plan.settle).await;
 
         let (mut admitted, mut possible, mut stranded, mut windows) = (0u64, 0u64, 0i64, 0u64);
         let mut by_region: BTreeMap<String, (u64, u64)> = BTreeMap::new();
@@ -116,7 +124,8 @@ async fn scenarios(stack: &Stack, plan: &Plan, out: &mut Results, progress: &dyn
         out.set(&format!("utilization.{}", sc.name), util);
         out.set(&k("stranded_pct"), stranded_pct);
         out.set(&k("quota_windows"), windows as f64);
-        let (adm_total, off_total): (u64, u64) = by_region.values().fold((0, 0), |a, v| (a.0 + v.0, a.1 + v.1));
+        let (adm_total, off_total): (u64, u64) =
+            by_region.values().fold((0, 0), |a, v| (a.0 + v.0, a.1 + v.1));
         let mut gap: f64 = 0.0;
         let mut min_served: f64 = 100.0;
         for (name, (a, o)) in &by_region {
