@@ -1,9 +1,38 @@
-//! `cargo lab bench`: to be written (issue 6).
+//! `cargo lab bench`: what one run measures on this machine, each figure
+//! next to a reference measured in the same run (numbers on a shared
+//! 2-core box drift by tens of percent between runs; a ratio to a ceiling
+//! taken minutes apart does not), as medians of several repetitions.
+//!
+//! * [`acquire`]: agent decisions at 1/16/64 clients vs the bare spend
+//!   script, the HTTP floor and `limitador`; Redis memory of one quota.
+//! * [`grants`]: allocator grants at 64 agents vs `pgbench`; allocator RSS
+//!   and grant p99 by number of quotas.
+//! * [`renewal`]: grant calls per 1,000 admits; ledger growth.
+//! * [`utilization`]: skew and contention at 20 quotas × 3 regions.
+//! * [`hist`]: the closed-loop driver and HDR histograms; [`machine`]: what
+//!   the machine is; [`rig`]: the proxy-free stack of the first three;
+//!   [`table`]: the Markdown report.
+//!
+//! Output: a Markdown table on stdout and in `<target>/bench/report.md`,
+//! and `<target>/bench/report.json` with flat dotted keys under `results`.
+
+pub mod acquire;
+pub mod grants;
+pub mod hist;
+pub mod machine;
+pub mod renewal;
+pub mod rig;
+pub mod table;
+pub mod utilization;
 
 use clap::Args;
+use serde::Serialize;
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
 
 /// Flags of `quota-lab bench`.
-#[derive(Debug, Args)]
+#[derive(Debug, Clone, Default, Args)]
 pub struct BenchArgs {
     /// A run of about two minutes.
     #[arg(long)]
@@ -11,10 +40,190 @@ pub struct BenchArgs {
     /// A run of a few seconds that only checks the harness works (CI).
     #[arg(long)]
     pub smoke: bool,
+    /// Directory for report.md and report.json (default `<target>/bench`).
+    #[arg(long)]
+    pub out: Option<PathBuf>,
 }
 
-/// Runs the benchmarks; `Ok(false)` when a target is missed is not a
-/// failure of the run, so this is `Ok(true)` unless the harness broke.
-pub async fn run(_args: BenchArgs) -> Result<bool, String> {
-    Err("bench is not written yet".into())
+/// How long and how big each measurement is in one mode.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    pub mode: &'static str,
+    /// Repetitions of every throughput measurement (medians are reported).
+    pub reps: usize,
+    pub acquire: Duration,
+    pub grants: Duration,
+    pub pgbench: Duration,
+    /// Quotas of the "10,000 quotas" grant cases.
+    pub many_quotas: usize,
+    /// Quota counts of the scaling figures.
+    pub scaling_quotas: Vec<usize>,
+    pub steady: Duration,
+    pub steady_rate: f64,
+    pub util_quotas: usize,
+    pub util_limit: i64,
+    pub util_window_secs: i64,
+    pub util_windows: usize,
+    /// Wait after traffic stops for outbox reports and releases to land.
+    pub settle: Duration,
+}
+
+impl Plan {
+    /// The plan of the mode `args` selects.
+    pub fn of(args: &BenchArgs) -> Plan {
+        if args.smoke {
+            Plan {
+                mode: "smoke",
+                reps: 1,
+                acquire: Duration::from_millis(300),
+                grants: Duration::from_millis(500),
+                pgbench: Duration::from_secs(1),
+                many_quotas: 1_000,
+                scaling_quotas: vec![100, 1_000],
+                steady: Duration::from_secs(3),
+                steady_rate: 50.0,
+                util_quotas: 2,
+                util_limit: 100,
+                util_window_secs: 2,
+                util_windows: 1,
+                settle: Duration::from_secs(1),
+            }
+        } else if args.quick {
+            Plan {
+                mode: "quick",
+                reps: 3,
+                acquire: Duration::from_secs(1),
+                grants: Duration::from_secs(2),
+                pgbench: Duration::from_secs(2),
+                many_quotas: 10_000,
+                scaling_quotas: vec![100, 100_000],
+                steady: Duration::from_secs(12),
+                steady_rate: 200.0,
+                util_quotas: 20,
+                util_limit: 100,
+                util_window_secs: 2,
+                util_windows: 4,
+                settle: Duration::from_secs(3),
+            }
+        } else {
+            Plan {
+                mode: "full",
+                reps: 5,
+                acquire: Duration::from_secs(3),
+                grants: Duration::from_secs(4),
+                pgbench: Duration::from_secs(4),
+                many_quotas: 10_000,
+                scaling_quotas: vec![100, 100_000],
+                steady: Duration::from_secs(40),
+                steady_rate: 200.0,
+                util_quotas: 20,
+                util_limit: 200,
+                util_window_secs: 4,
+                util_windows: 8,
+                settle: Duration::from_secs(3),
+            }
+        }
+    }
+
+    /// The command a reader runs to get this plan again.
+    pub fn command(&self) -> String {
+        match self.mode {
+            "full" => "cargo lab bench".into(),
+            m => format!("cargo lab bench --{m}"),
+        }
+    }
+}
+
+/// Flat dotted results and the notes a reader needs to trust them.
+#[derive(Debug, Default, Serialize)]
+pub struct Results {
+    pub values: BTreeMap<String, f64>,
+    pub notes: Vec<String>,
+}
+
+impl Results {
+    /// Sets `key` (non-finite values are kept out: JSON has no NaN).
+    pub fn set(&mut self, key: &str, v: f64) {
+        if v.is_finite() {
+            self.values.insert(key.to_string(), v);
+        } else {
+            self.notes.push(format!("{key}: not measurable ({v})"));
+        }
+    }
+
+    /// The value of `key`, if measured.
+    pub fn get(&self, key: &str) -> Option<f64> {
+        self.values.get(key).copied()
+    }
+
+    /// Adds a note to the report.
+    pub fn note(&mut self, n: String) {
+        self.notes.push(n);
+    }
+}
+
+/// `report.json`.
+#[derive(Serialize)]
+struct Report<'a> {
+    command: String,
+    argv: Vec<String>,
+    mode: &'a str,
+    repetitions: usize,
+    machine: machine::Machine,
+    seconds: f64,
+    results: &'a BTreeMap<String, f64>,
+    targets: Vec<table::TargetRow>,
+    notes: &'a [String],
+}
+
+fn progress(started: Instant) -> impl Fn(&str) {
+    move |s: &str| eprintln!("bench [{:>5.1} s] {s}", started.elapsed().as_secs_f64())
+}
+
+/// Runs the benchmarks and writes the report. A missed target is a
+/// finding, not a failure: this is `Ok(true)` whenever every measurement
+/// ran, and `Err` only when the harness broke.
+pub async fn run(args: BenchArgs) -> Result<bool, String> {
+    let plan = Plan::of(&args);
+    let started = Instant::now();
+    let say = progress(started);
+    let machine = machine::describe();
+    say(&format!(
+        "{} run on {} × {} ({} MiB, load {})",
+        plan.mode, machine.nproc, machine.cpu_model, machine.mem_total_mb, machine.load_avg_at_start
+    ));
+    crate::bins::check_servers()?;
+    let bins = crate::bins::ensure()?;
+    let mut out = Results::default();
+
+    say("starting PostgreSQL and 2 allocator replicas (direct links)");
+    let rig = rig::Rig::start(bins, 2).await?;
+    acquire::run(&rig, &plan, &mut out, &say).await?;
+    renewal::run(&rig, &plan, &mut out, &say).await?;
+    grants::run(&rig, &plan, &mut out, &say).await?;
+    let bins = rig.bins.clone();
+    drop(rig);
+    utilization::run(bins, &plan, &mut out, &say).await?;
+
+    let targets = table::targets(&out);
+    let md = table::markdown(&plan, &machine, &out, &targets);
+    println!("{md}");
+    let dir = args.out.clone().unwrap_or_else(|| crate::report::target_dir().join("bench"));
+    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    std::fs::write(dir.join("report.md"), &md)
+        .map_err(|e| format!("{}: {e}", dir.join("report.md").display()))?;
+    let report = Report {
+        command: plan.command(),
+        argv: std::env::args().collect(),
+        mode: plan.mode,
+        repetitions: plan.reps,
+        machine,
+        seconds: started.elapsed().as_secs_f64(),
+        results: &out.values,
+        targets,
+        notes: &out.notes,
+    };
+    crate::report::write_json(&dir.join("report.json"), &report)?;
+    say(&format!("wrote {}/report.md and report.json", dir.display()));
+    Ok(true)
 }

@@ -1,0 +1,311 @@
+//! Agent decisions (`POST /v1/acquire`) at 1, 16 and 64 keep-alive clients,
+//! each repetition measured next to three references on the same Redis at
+//! the same concurrency:
+//!
+//! * the ceiling: the agent's own spend script (`regional_agent::store::SPEND`,
+//!   the same prelude + `spend.lua`) by EVALSHA on the agent's own quota
+//!   keys, with the arguments the agent sends, over one multiplexed
+//!   connection like the agent's;
+//! * the HTTP floor: `GET /healthz` of the same agent, which touches no
+//!   Redis, so `decision ≈ floor + script` says where the time goes;
+//! * the peer: `limitador` with its async Redis storage and one counter
+//!   limit of the same size (`check_rate_limited_and_update`).
+//!
+//! Interleaving the four per repetition keeps the machine's background load
+//! (two other engineers' builds) roughly equal across what a ratio compares.
+
+use super::hist::{closed_loop, Medians, Op, Sample};
+use super::rig::Rig;
+use super::{Plan, Results};
+use futures::FutureExt;
+use quota_tests::redis::TestRedis;
+use regional_agent::keys::Keys;
+use regional_agent::store::{Reply, SPEND};
+use serde_json::json;
+use std::sync::Arc;
+use std::time::Duration;
+
+const TENANT: &str = "bench";
+const RESOURCE: &str = "read";
+/// Large enough that no measurement can run the pool dry.
+const LIMIT: i64 = 1_000_000_000;
+const WINDOW_SECS: i64 = 86_400;
+/// Every network call of a measured operation gives up after this long.
+const CALL_TIMEOUT: Duration = Duration::from_secs(5);
+/// Why a build without the `limitador-peer` feature has no peer figures.
+#[cfg(not(feature = "limitador-peer"))]
+const NO_PEER: &str = "built without the `limitador-peer` feature: limitador 0.12-0.14 do not compile with \
+     `redis_storage` alone (storage/keys.rs uses the `bin` module only `disk_storage` defines), and \
+     `disk_storage` builds RocksDB with bindgen, which needs libclang (not installed here)";
+/// Concurrencies measured.
+pub const CLIENTS: [usize; 3] = [1, 16, 64];
+
+fn client() -> Result<reqwest::Client, String> {
+    reqwest::Client::builder()
+        .timeout(CALL_TIMEOUT)
+        .pool_max_idle_per_host(128)
+        .build()
+        .map_err(|e| format!("http client: {e}"))
+}
+
+fn acquire_op(client: reqwest::Client, base: &str) -> Op {
+    let url = format!("{base}/v1/acquire");
+    let body = Arc::new(json!({"tenant": TENANT, "resource": RESOURCE}).to_string().into_bytes());
+    Arc::new(move |_, _| {
+        let (client, url, body) = (client.clone(), url.clone(), body.clone());
+        async move {
+            let r = client
+                .post(&url)
+                .header("content-type", "application/json")
+                .body(body.as_ref().clone())
+                .send()
+                .await
+                .map_err(|e| format!("acquire: {e}"))?;
+            let status = r.status().as_u16();
+            let _ = r.bytes().await;
+            if status == 200 {
+                Ok(())
+            } else {
+                Err(format!("acquire answered {status}"))
+            }
+        }
+        .boxed()
+    })
+}
+
+fn healthz_op(client: reqwest::Client, base: &str) -> Op {
+    let url = format!("{base}/healthz");
+    Arc::new(move |_, _| {
+        let (client, url) = (client.clone(), url.clone());
+        async move {
+            let r = client.get(&url).send().await.map_err(|e| format!("healthz: {e}"))?;
+            let status = r.status().as_u16();
+            let _ = r.bytes().await;
+            if status == 200 {
+                Ok(())
+            } else {
+                Err(format!("healthz answered {status}"))
+            }
+        }
+        .boxed()
+    })
+}
+
+/// The arguments `spend.rs` passes, for the agent's own quota and incarnation.
+#[derive(Clone)]
+struct SpendArgs {
+    prefix: String,
+    token: String,
+    fb_ws: i64,
+    fallback: i64,
+    agent: String,
+    epoch: i64,
+}
+
+fn spend_op(conn: redis::aio::ConnectionManager, a: SpendArgs) -> Op {
+    let a = Arc::new(a);
+    Arc::new(move |_, _| {
+        let (mut conn, a) = (conn.clone(), a.clone());
+        async move {
+            let mut inv = SPEND.prepare_invoke();
+            inv.key(format!("{}inc", a.prefix))
+                .arg(&a.prefix)
+                .arg(&a.token)
+                .arg("bench-fresh")
+                .arg(1)
+                .arg("")
+                .arg(WINDOW_SECS * 1000)
+                .arg("0")
+                .arg(a.fb_ws)
+                .arg(a.fallback)
+                .arg(regional_agent::spend::COUNTER_TTL_MS)
+                .arg(&a.agent)
+                .arg(a.epoch);
+            let r: Reply = tokio::time::timeout(CALL_TIMEOUT, inv.invoke_async(&mut conn))
+                .await
+                .map_err(|_| "spend script timed out".to_string())?
+                .map_err(|e| format!("spend script: {e}"))?;
+            match r.str(0).as_str() {
+                "lease" => Ok(()),
+                other => Err(format!("spend script answered {other:?}")),
+            }
+        }
+        .boxed()
+    })
+}
+
+#[cfg(feature = "limitador-peer")]
+fn limitador_op(limiter: Arc<limitador::AsyncRateLimiter>) -> Op {
+    Arc::new(move |_, _| {
+        let limiter = limiter.clone();
+        async move {
+            let ns: limitador::limit::Namespace = TENANT.into();
+            let ctx = limitador::limit::Context::default();
+            let r = tokio::time::timeout(CALL_TIMEOUT, limiter.check_rate_limited_and_update(&ns, &ctx, 1))
+                .await
+                .map_err(|_| "limitador timed out".to_string())?
+                .map_err(|e| format!("limitador: {e}"))?;
+            if r.limited {
+                Err("limitador limited".into())
+            } else {
+                Ok(())
+            }
+        }
+        .boxed()
+    })
+}
+
+#[cfg(feature = "limitador-peer")]
+async fn limitador(redis_url: &str) -> Result<Arc<limitador::AsyncRateLimiter>, String> {
+    let storage =
+        tokio::time::timeout(CALL_TIMEOUT, limitador::storage::redis::AsyncRedisStorage::new(redis_url))
+            .await
+            .map_err(|_| "limitador: connecting to Redis timed out".to_string())?
+            .map_err(|e| format!("limitador: connecting to Redis: {e}"))?;
+    let limiter = limitador::AsyncRateLimiter::new_with_storage(Box::new(storage));
+    limiter.add_limit(limitador::limit::Limit::new(
+        TENANT,
+        LIMIT as u64,
+        WINDOW_SECS as u64,
+        Vec::<limitador::limit::Predicate>::new(),
+        Vec::<limitador::limit::Expression>::new(),
+    ));
+    Ok(Arc::new(limiter))
+}
+
+/// Runs the acquire measurements on `rig` with a Redis of their own.
+pub async fn run(rig: &Rig, plan: &Plan, out: &mut Results, progress: &dyn Fn(&str)) -> Result<(), String> {
+    let redis = TestRedis::start();
+    quota_tests::fixtures::put_policy(
+        &rig.admin,
+        TENANT,
+        RESOURCE,
+        json!({"limit": LIMIT, "window_secs": WINDOW_SECS}),
+    )
+    .await;
+    let agent = rig.agent(&redis).await;
+    let http = client()?;
+    // Warm: the agent learns the policy and credits a first lease.
+    let warm = closed_loop(4, Duration::from_millis(500), acquire_op(http.clone(), &agent.base)).await?;
+    if warm.ok == 0 {
+        return Err(format!("agent never admitted during warm-up: {:?}", warm.first_error));
+    }
+
+    let prefix = Keys::new("").quota(TENANT, RESOURCE);
+    let rc = redis::Client::open(redis.url.as_str()).map_err(|e| format!("redis url: {e}"))?;
+    let conn = tokio::time::timeout(CALL_TIMEOUT, redis::aio::ConnectionManager::new(rc))
+        .await
+        .map_err(|_| "connecting to Redis timed out".to_string())?
+        .map_err(|e| format!("connecting to Redis: {e}"))?;
+    let token: Option<String> = redis::cmd("GET")
+        .arg(format!("{prefix}inc"))
+        .query_async(&mut conn.clone())
+        .await
+        .map_err(|e| format!("reading the incarnation key: {e}"))?;
+    let token = token.ok_or("the agent's incarnation key is missing after warm-up")?;
+    let now = chrono::Utc::now().timestamp();
+    let args = SpendArgs {
+        prefix: prefix.clone(),
+        token,
+        fb_ws: now - now.rem_euclid(WINDOW_SECS),
+        fallback: LIMIT / 100,
+        agent: "eu-1".into(),
+        epoch: agent.epoch().await,
+    };
+    #[cfg(feature = "limitador-peer")]
+    let peer = limitador(&redis.url).await;
+    #[cfg(not(feature = "limitador-peer"))]
+    let peer: Result<(), String> = Err(NO_PEER.into());
+    if let Err(e) = &peer {
+        out.note(format!("limitador peer not measured: {e}"));
+    }
+
+    for &c in &CLIENTS {
+        let mut agent_s: Vec<Sample> = Vec::new();
+        let (mut lua_s, mut floor_s, mut r_ceiling) = (Vec::new(), Vec::new(), Vec::new());
+        #[cfg_attr(not(feature = "limitador-peer"), allow(unused_mut))]
+        let (mut lim_s, mut r_peer): (Vec<Sample>, Vec<f64>) = (Vec::new(), Vec::new());
+        for rep in 0..plan.reps {
+            progress(&format!("acquire: {c} client(s), repetition {}/{}", rep + 1, plan.reps));
+            let a = closed_loop(c, plan.acquire, acquire_op(http.clone(), &agent.base)).await?;
+            let l = closed_loop(c, plan.acquire, spend_op(conn.clone(), args.clone())).await?;
+            let f = closed_loop(c, plan.acquire, healthz_op(http.clone(), &agent.base)).await?;
+            r_ceiling.push(a.per_s / l.per_s.max(f64::MIN_POSITIVE));
+            #[cfg(feature = "limitador-peer")]
+            if let Ok(p) = &peer {
+                let m = closed_loop(c, plan.acquire, limitador_op(p.clone())).await?;
+                r_peer.push(a.per_s / m.per_s.max(f64::MIN_POSITIVE));
+                lim_s.push(m);
+            }
+            agent_s.push(a);
+            lua_s.push(l);
+            floor_s.push(f);
+        }
+        let (a, l, f) = (Medians::of(&agent_s), Medians::of(&lua_s), Medians::of(&floor_s));
+        let k = |s: &str| format!("acquire.c{c}.{s}");
+        out.set(&k("decisions_per_s"), a.per_s);
+        out.set(&k("p50_ms"), a.p50_ms);
+        out.set(&k("p99_ms"), a.p99_ms);
+        out.set(&k("p999_ms"), a.p999_ms);
+        out.set(&k("ceiling_per_s"), l.per_s);
+        out.set(&k("ceiling_p50_ms"), l.p50_ms);
+        out.set(&k("ceiling_p99_ms"), l.p99_ms);
+        out.set(&k("ratio_to_ceiling"), super::hist::median(&r_ceiling));
+        out.set(&k("http_floor_per_s"), f.per_s);
+        out.set(&k("http_floor_p50_ms"), f.p50_ms);
+        out.set(&k("http_floor_p99_ms"), f.p99_ms);
+        for (what, m) in [("agent", &a), ("spend script", &l), ("healthz", &f)] {
+            if m.errors > 0 {
+                out.note(format!("acquire c{c}: {} {what} errors, first: {:?}", m.errors, m.first_error));
+            }
+        }
+        if !lim_s.is_empty() {
+            let m = Medians::of(&lim_s);
+            out.set(&k("limitador_per_s"), m.per_s);
+            out.set(&k("limitador_p99_ms"), m.p99_ms);
+            out.set(&k("ratio_to_limitador"), super::hist::median(&r_peer));
+        }
+    }
+
+    progress("scaling: Redis memory of one quota");
+    out.set("scaling.redis_bytes_per_quota", quota_memory(&mut conn.clone(), &prefix).await?);
+    Ok(())
+}
+
+/// Most SCAN pages read (each asks for 1,000 keys): one quota has a handful
+/// of keys, so hitting this means the pattern is wrong, not a large quota.
+const MAX_SCAN_PAGES: usize = 1_000;
+
+/// `MEMORY USAGE` summed over every key under `prefix`.
+async fn quota_memory(conn: &mut redis::aio::ConnectionManager, prefix: &str) -> Result<f64, String> {
+    let pattern = format!("{}*", prefix.replace('[', "\\[").replace('*', "\\*").replace('?', "\\?"));
+    let mut cursor: u64 = 0;
+    let mut total = 0i64;
+    for _ in 0..MAX_SCAN_PAGES {
+        let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(&pattern)
+            .arg("COUNT")
+            .arg(1000)
+            .query_async(conn)
+            .await
+            .map_err(|e| format!("SCAN: {e}"))?;
+        for k in keys {
+            let n: Option<i64> = redis::cmd("MEMORY")
+                .arg("USAGE")
+                .arg(&k)
+                .arg("SAMPLES")
+                .arg(0)
+                .query_async(conn)
+                .await
+                .map_err(|e| format!("MEMORY USAGE {k}: {e}"))?;
+            total += n.unwrap_or(0);
+        }
+        cursor = next;
+        if cursor == 0 {
+            return Ok(total as f64);
+        }
+    }
+    Err(format!("SCAN of {pattern} did not finish in {MAX_SCAN_PAGES} pages"))
+}

@@ -1,0 +1,293 @@
+//! Allocator grants (`POST /v1/grants`) at 64 concurrent agents, for one
+//! hot quota (every grant serialises on one pool row lock) and for 10,000
+//! quotas, with 1 and 2 allocator replicas on one PostgreSQL; and the
+//! ceiling of the same run: `pgbench` with a transaction of the grant's
+//! shape (one row lock, one insert, one update) at 64 clients on the same
+//! server. Also the scaling figures that depend on the number of quotas:
+//! allocator RSS and grant p99 at 100 and 100,000 quotas, and ledger rows
+//! written per grant.
+
+use super::hist::{closed_loop, median, Medians, Op, Sample};
+use super::rig::Rig;
+use super::{Plan, Results};
+use futures::FutureExt;
+use quota_tests::http::Http;
+use serde_json::json;
+use sqlx::postgres::PgPoolOptions;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Concurrent agents of every grant measurement.
+pub const AGENTS: usize = 64;
+const TENANT: &str = "bench";
+/// A grant's HTTP call gives up after this long (the allocator's own
+/// request limit is 10 s).
+const CALL_TIMEOUT: Duration = Duration::from_secs(12);
+
+/// Which quotas a case spreads its grants over.
+#[derive(Clone, Copy)]
+enum Quotas {
+    Hot,
+    Many(usize),
+}
+
+impl Quotas {
+    fn resource(self, client: usize, n: u64) -> String {
+        match self {
+            Quotas::Hot => "hot".into(),
+            // A stride coprime with any count spreads clients over different quotas.
+            Quotas::Many(q) => format!("m{q}-{}", (client as u64 * 7_919 + n) % q as u64),
+        }
+    }
+}
+
+/// Policies for `count` quotas `m{count}-{i}`, written in one statement: a
+/// PUT per quota would take minutes at 100,000, and a new quota has no
+/// pool yet, so rows written like this are what a PUT leaves behind.
+async fn create_quotas(db: &sqlx::PgPool, count: usize) -> Result<(), String> {
+    let sql = "with q as (select 'm' || $1::bigint || '-' || i as resource from generate_series(0, $1::bigint - 1) i)
+        , p as (
+          insert into policy (tenant, resource, limit_tokens, window_secs, chunk_min, chunk_max, lease_ttl_secs,
+                              fallback_per_region, fail_mode, version, updated_at, updated_by)
+          select $2, resource, 1000000000, 86400, 10000000, 100000000, 30, 10000000, 'bounded', 1, now(), 'bench'
+          from q on conflict do nothing)
+        insert into policy_version (tenant, resource, version, limit_tokens, window_secs, chunk_min, chunk_max,
+                                    lease_ttl_secs, fallback_per_region, fail_mode, updated_at, updated_by)
+        select $2, resource, 1, 1000000000, 86400, 10000000, 100000000, 30, 10000000, 'bounded', now(), 'bench'
+        from q on conflict do nothing";
+    sqlx::query(sql)
+        .bind(count as i64)
+        .bind(TENANT)
+        .execute(db)
+        .await
+        .map_err(|e| format!("creating {count} quotas: {e}"))?;
+    Ok(())
+}
+
+fn grant_op(targets: Vec<Http>, quotas: Quotas, agents: Arc<Vec<(String, i64)>>) -> Op {
+    let targets = Arc::new(targets);
+    Arc::new(move |c, n| {
+        let http = targets[c % targets.len()].clone();
+        let (agent, epoch) = agents[c].clone();
+        let body = json!({
+            "tenant": TENANT, "resource": quotas.resource(c, n), "region": "bench", "agent": agent,
+            "epoch": epoch, "seq": n, "want": 1, "demand_per_sec": 10.0,
+        });
+        async move {
+            let r = tokio::time::timeout(CALL_TIMEOUT, http.post("/v1/grants", &body))
+                .await
+                .map_err(|_| "grant timed out".to_string())?;
+            if r.status == 200 && r.body["tokens"].as_i64().unwrap_or(0) > 0 {
+                Ok(())
+            } else {
+                Err(format!("grant answered {} {}", r.status, r.body))
+            }
+        }
+        .boxed()
+    })
+}
+
+/// Registers `AGENTS` fresh agents (fresh names per run, so `seq` may
+/// restart at 1 without replaying an earlier grant).
+async fn register(admin: &Http, run: &str) -> Result<Arc<Vec<(String, i64)>>, String> {
+    let mut out = Vec::with_capacity(AGENTS);
+    for c in 0..AGENTS {
+        let name = format!("{run}-{c}");
+        let r = admin.post("/v1/agents/register", &json!({"region": "bench", "agent": name})).await;
+        let epoch =
+            r.body["epoch"].as_i64().ok_or_else(|| format!("register {name}: {} {}", r.status, r.body))?;
+        out.push((name, epoch));
+    }
+    Ok(Arc::new(out))
+}
+
+async fn grants(
+    rig: &Rig,
+    replicas: usize,
+    quotas: Quotas,
+    dur: Duration,
+    run: &str,
+) -> Result<Sample, String> {
+    let agents = register(&rig.admin, run).await?;
+    let targets = rig.allocators.iter().take(replicas).map(|a| Http::new(&a.base)).collect();
+    closed_loop(AGENTS, dur, grant_op(targets, quotas, agents)).await
+}
+
+/// The pgbench side: its tables live in the same database, apart from the
+/// allocator's.
+struct PgBench {
+    bin: PathBuf,
+    script: PathBuf,
+    url: String,
+    _dir: tempfile::TempDir,
+}
+
+/// The transaction of a grant, reduced to its shape: lock the pool row,
+/// insert the lease, debit the pool.
+const PGBENCH_SCRIPT: &str = "\\set q random(1, :nq)
+begin;
+select granted from bench_pool where id = :q for update;
+insert into bench_lease (pool_id, tokens, at) values (:q, 1, now());
+update bench_pool set granted = granted + 1 where id = :q;
+end;
+";
+
+impl PgBench {
+    async fn prepare(db: &sqlx::PgPool, url: &str, rows: usize) -> Result<PgBench, String> {
+        let bin = ["/usr/bin/pgbench", "/usr/lib/postgresql/15/bin/pgbench"]
+            .iter()
+            .map(PathBuf::from)
+            .chain(
+                std::fs::read_dir("/usr/lib/postgresql")
+                    .into_iter()
+                    .flatten()
+                    .flatten()
+                    .map(|e| e.path().join("bin/pgbench")),
+            )
+            .find(|p| p.is_file())
+            .ok_or("pgbench not found (apt-get install postgresql-client)")?;
+        for sql in [
+            "create table if not exists bench_pool (id int primary key, granted bigint not null default 0)",
+            "create table if not exists bench_lease (id bigserial primary key, pool_id int not null, tokens bigint not null, at timestamptz not null)",
+        ] {
+            sqlx::query(sql).execute(db).await.map_err(|e| format!("pgbench tables: {e}"))?;
+        }
+        sqlx::query("insert into bench_pool (id) select generate_series(1, $1) on conflict do nothing")
+            .bind(rows as i32)
+            .execute(db)
+            .await
+            .map_err(|e| format!("pgbench rows: {e}"))?;
+        let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+        let script = dir.path().join("grant.sql");
+        std::fs::write(&script, PGBENCH_SCRIPT).map_err(|e| format!("{}: {e}", script.display()))?;
+        Ok(PgBench { bin, script, url: url.to_string(), _dir: dir })
+    }
+
+    /// Transactions per second at `AGENTS` clients over `rows` pool rows.
+    async fn run(&self, rows: usize, dur: Duration) -> Result<(f64, f64), String> {
+        let secs = dur.as_secs().max(1);
+        let mut cmd = tokio::process::Command::new(&self.bin);
+        cmd.args(["-n", "-c", &AGENTS.to_string(), "-j", "2", "-T", &secs.to_string(), "-D"])
+            .arg(format!("nq={rows}"))
+            .arg("-f")
+            .arg(&self.script)
+            .arg(&self.url)
+            .kill_on_drop(true);
+        let out = tokio::time::timeout(Duration::from_secs(secs + 60), cmd.output())
+            .await
+            .map_err(|_| "pgbench did not finish".to_string())?
+            .map_err(|e| format!("pgbench: {e}"))?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        if !out.status.success() {
+            return Err(format!(
+                "pgbench failed ({}): {text}{}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr)
+            ));
+        }
+        let field = |prefix: &str| {
+            text.lines()
+                .find(|l| l.trim_start().starts_with(prefix))
+                .and_then(|l| l.split('=').nth(1))
+                .and_then(|v| v.split_whitespace().next())
+                .and_then(|v| v.parse::<f64>().ok())
+        };
+        let tps = field("tps").ok_or_else(|| format!("no tps in pgbench output: {text}"))?;
+        Ok((tps, field("latency average").unwrap_or(0.0)))
+    }
+}
+
+/// Runs the grant and scaling measurements.
+pub async fn run(rig: &Rig, plan: &Plan, out: &mut Results, progress: &dyn Fn(&str)) -> Result<(), String> {
+    let db = PgPoolOptions::new()
+        .max_connections(2)
+        .acquire_timeout(Duration::from_secs(10))
+        .connect(&rig.db.url)
+        .await
+        .map_err(|e| format!("bench connection to PostgreSQL: {e}"))?;
+    quota_tests::fixtures::put_policy(
+        &rig.admin,
+        TENANT,
+        "hot",
+        json!({"limit": 1_000_000_000i64, "window_secs": 86_400}),
+    )
+    .await;
+    let many = plan.many_quotas;
+    create_quotas(&db, many).await?;
+    let pgbench = PgBench::prepare(&db, &rig.db.url, many).await?;
+
+    let cases: [(&str, Quotas, usize); 4] = [
+        ("hot.r1", Quotas::Hot, 1),
+        ("hot.r2", Quotas::Hot, 2),
+        ("q10k.r1", Quotas::Many(many), 1),
+        ("q10k.r2", Quotas::Many(many), 2),
+    ];
+    let mut samples: Vec<Vec<Sample>> = vec![Vec::new(); cases.len()];
+    let (mut pg_hot, mut pg_many) = (Vec::new(), Vec::new());
+    let (mut lat_hot, mut lat_many) = (Vec::new(), Vec::new());
+    let mut ratios: Vec<Vec<f64>> = vec![Vec::new(); cases.len()];
+    for rep in 0..plan.reps {
+        progress(&format!("grants: pgbench ceiling, repetition {}/{}", rep + 1, plan.reps));
+        let (h, hl) = pgbench.run(1, plan.pgbench).await?;
+        let (m, ml) = pgbench.run(many, plan.pgbench).await?;
+        pg_hot.push(h);
+        pg_many.push(m);
+        lat_hot.push(hl);
+        lat_many.push(ml);
+        for (i, (name, quotas, replicas)) in cases.iter().enumerate() {
+            progress(&format!("grants: {name}, repetition {}/{}", rep + 1, plan.reps));
+            let s = grants(rig, *replicas, *quotas, plan.grants, &format!("g{rep}{}", name.replace('.', "")))
+                .await?;
+            let ceiling = if matches!(quotas, Quotas::Hot) { h } else { m };
+            ratios[i].push(s.per_s / ceiling.max(f64::MIN_POSITIVE));
+            samples[i].push(s);
+        }
+    }
+    for (i, (name, _, _)) in cases.iter().enumerate() {
+        let m = Medians::of(&samples[i]);
+        let k = |s: &str| format!("grants.c64.{name}.{s}");
+        out.set(&k("grants_per_s"), m.per_s);
+        out.set(&k("p50_ms"), m.p50_ms);
+        out.set(&k("p99_ms"), m.p99_ms);
+        out.set(&k("ratio_to_ceiling"), median(&ratios[i]));
+        if m.errors > 0 {
+            out.note(format!("grants {name}: {} errors, first: {:?}", m.errors, m.first_error));
+        }
+    }
+    out.set("grants.c64.pgbench.hot.tps", median(&pg_hot));
+    out.set("grants.c64.pgbench.hot.latency_avg_ms", median(&lat_hot));
+    out.set("grants.c64.pgbench.q10k.tps", median(&pg_many));
+    out.set("grants.c64.pgbench.q10k.latency_avg_ms", median(&lat_many));
+    // The headline: many quotas on one replica, the production shape.
+    for s in ["grants_per_s", "p50_ms", "p99_ms", "ratio_to_ceiling"] {
+        if let Some(v) = out.get(&format!("grants.c64.q10k.r1.{s}")) {
+            out.set(&format!("grants.c64.{s}"), v);
+        }
+    }
+    if many != 10_000 {
+        out.note(format!("grants \"q10k\" cases used {many} quotas in this mode, not 10,000"));
+    }
+
+    // Scaling: one replica, grants spread over 100 and then N quotas.
+    for &n in &plan.scaling_quotas {
+        progress(&format!("scaling: {n} quotas"));
+        create_quotas(&db, n).await?;
+        let mut s = Vec::new();
+        for rep in 0..plan.reps {
+            s.push(grants(rig, 1, Quotas::Many(n), plan.grants, &format!("s{n}-{rep}")).await?);
+        }
+        let m = Medians::of(&s);
+        out.set(&format!("scaling.q{n}.grant_p99_ms"), m.p99_ms);
+        out.set(&format!("scaling.q{n}.grants_per_s"), m.per_s);
+        out.set(&format!("scaling.q{n}.allocator_rss_mb"), super::machine::rss_mb(rig.allocators[0].pid())?);
+    }
+    let (events, leases): (i64, i64) =
+        sqlx::query_as("select (select count(*) from ledger_event), (select count(*) from lease)")
+            .fetch_one(&db)
+            .await
+            .map_err(|e| format!("counting ledger rows: {e}"))?;
+    out.set("scaling.ledger_rows_per_grant", events as f64 / leases.max(1) as f64);
+    db.close().await;
+    Ok(())
+}

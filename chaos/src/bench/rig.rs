@@ -1,0 +1,88 @@
+//! The bench's own small stack: PostgreSQL, allocator replicas and one
+//! agent over one Redis, wired directly with no fault proxy in between.
+//! The proxies of [`crate::stack`] cost a copy per byte on every link; a
+//! ceiling (pgbench, a bare EVALSHA loop) talks to the servers directly, so
+//! the system measured against it must too, or the ratio would charge the
+//! harness to the product.
+
+use crate::bins::Bins;
+use quota_tests::agent::{AgentOpts, AgentProc};
+use quota_tests::http::Http;
+use quota_tests::pg::TestDb;
+use quota_tests::procs::Child;
+use quota_tests::redis::TestRedis;
+use std::process::Command;
+use std::time::Duration;
+
+/// One allocator process on the rig's database.
+pub struct Allocator {
+    pub base: String,
+    child: Child,
+}
+
+impl Allocator {
+    /// The process id (for its RSS).
+    pub fn pid(&self) -> u32 {
+        self.child.pid()
+    }
+}
+
+/// PostgreSQL plus allocator replicas; agents are added by [`Rig::agent`].
+pub struct Rig {
+    pub bins: Bins,
+    pub db: TestDb,
+    pub allocators: Vec<Allocator>,
+    pub admin: Http,
+    dir: tempfile::TempDir,
+}
+
+impl Rig {
+    /// Starts PostgreSQL and `replicas` allocators, each ready.
+    pub async fn start(bins: Bins, replicas: usize) -> Result<Rig, String> {
+        let dir = tempfile::Builder::new().prefix("quota-bench-").tempdir().map_err(|e| e.to_string())?;
+        let db = TestDb::start().await;
+        let mut rig = Rig { admin: Http::new("http://127.0.0.1:1"), bins, db, allocators: Vec::new(), dir };
+        for _ in 0..replicas.max(1) {
+            rig.add_allocator().await?;
+        }
+        rig.admin = Http::new(&rig.allocators[0].base);
+        Ok(rig)
+    }
+
+    /// Starts one more allocator replica on the same database.
+    pub async fn add_allocator(&mut self) -> Result<(), String> {
+        let addr = format!("127.0.0.1:{}", quota_tests::free_port());
+        let i = self.allocators.len();
+        let log = self.dir.path().join(format!("allocator-{i}.log"));
+        let mut cmd = Command::new(&self.bins.allocator);
+        cmd.env("DATABASE_URL", &self.db.url)
+            .env("ALLOCATOR_LISTEN", &addr)
+            .env("RUST_LOG", std::env::var("ALLOCATOR_LOG").unwrap_or_else(|_| "warn".into()));
+        let child =
+            Child::spawn("allocator", cmd, &log, None).map_err(|e| format!("spawn allocator: {e}"))?;
+        let base = format!("http://{addr}");
+        let http = Http::new(&base);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        while http.get_status("/readyz").await != Some(200) {
+            if tokio::time::Instant::now() > deadline {
+                return Err(format!("allocator on {addr} not ready after 60 s; see {}", log.display()));
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        self.allocators.push(Allocator { base, child });
+        Ok(())
+    }
+
+    /// Stops allocator replicas beyond the first `keep`.
+    pub fn truncate_allocators(&mut self, keep: usize) {
+        self.allocators.truncate(keep.max(1));
+    }
+
+    /// One agent (region `eu`, id `eu-1`) on `redis`, talking to the first allocator.
+    pub async fn agent(&self, redis: &TestRedis) -> AgentProc {
+        let mut opts = AgentOpts::new("eu", "eu-1", &self.allocators[0].base, &redis.url);
+        // Per-request log lines would be charged to the agent's latency.
+        opts.env.push(("RUST_LOG".into(), "warn".into()));
+        AgentProc::spawn(&self.bins.agent, opts).await
+    }
+}

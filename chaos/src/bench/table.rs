@@ -1,0 +1,204 @@
+//! The report as Markdown tables, and the targets of issue 6 checked
+//! against the measured figures.
+
+use super::machine::Machine;
+use super::{Plan, Results};
+use serde::Serialize;
+use std::fmt::Write as _;
+
+/// One target and whether the run met it.
+#[derive(Debug, Clone, Serialize)]
+pub struct TargetRow {
+    pub key: String,
+    pub what: String,
+    pub value: Option<f64>,
+    pub target: String,
+    pub met: bool,
+}
+
+/// Every target with its key, bound and direction (`true`: at least).
+const TARGETS: [(&str, &str, f64, bool); 8] = [
+    ("acquire.c16.p99_ms", "agent decision p99 at 16 clients (ms)", 1.0, false),
+    ("acquire.c16.ratio_to_ceiling", "agent / bare spend script at 16 clients", 0.5, true),
+    ("renewals_per_1000_admits", "allocator calls per 1,000 admits", 10.0, false),
+    ("utilization.skew", "skew: admitted / min(G, demand) (%)", 99.0, true),
+    ("utilization.contention", "contention: admitted / min(G, demand) (%)", 99.0, true),
+    ("stranded_pct", "stranded per window, worst scenario (% of G)", 2.0, false),
+    ("utilization.skew.min_region_served_pct", "skew: least-served region (% of its demand)", 98.0, true),
+    (
+        "utilization.contention.max_share_gap_pts",
+        "contention: share of admits vs demand (points)",
+        10.0,
+        false,
+    ),
+];
+
+/// The targets checked against `r`.
+pub fn targets(r: &Results) -> Vec<TargetRow> {
+    TARGETS
+        .iter()
+        .map(|(key, what, bound, at_least)| {
+            let value = r.get(key);
+            let met = value.is_some_and(|v| if *at_least { v >= *bound } else { v <= *bound });
+            let target = format!("{} {bound}", if *at_least { "≥" } else { "≤" });
+            TargetRow { key: key.to_string(), what: what.to_string(), value, target, met }
+        })
+        .collect()
+}
+
+fn v(r: &Results, key: &str) -> String {
+    match r.get(key) {
+        Some(x) if x.abs() >= 100.0 => format!("{x:.0}"),
+        Some(x) if x.abs() >= 10.0 => format!("{x:.1}"),
+        Some(x) => format!("{x:.3}"),
+        None => "–".into(),
+    }
+}
+
+/// The whole report.
+pub fn markdown(plan: &Plan, m: &Machine, r: &Results, targets: &[TargetRow]) -> String {
+    let mut s = String::new();
+    let _ = writeln!(s, "# Benchmarks\n");
+    let _ = writeln!(
+        s,
+        "Command: `{}` ({} mode, medians of {} repetitions) — {} — {} × {}, {} MiB, Linux {}, load at start {}\n",
+        plan.command(),
+        plan.mode,
+        plan.reps,
+        m.date_utc,
+        m.nproc,
+        m.cpu_model,
+        m.mem_total_mb,
+        m.kernel,
+        m.load_avg_at_start
+    );
+
+    let _ = writeln!(s, "## Agent decisions (`POST /v1/acquire`, warm lease, keep-alive clients)\n");
+    let _ = writeln!(
+        s,
+        "| clients | decisions/s | p50 ms | p99 ms | p99.9 ms | spend script/s (ceiling) | script p50 ms | script p99 ms | ratio to ceiling | `/healthz`/s (HTTP floor) | floor p50 ms | floor p99 ms | limitador/s | limitador p99 ms | ratio to limitador |"
+    );
+    let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    for c in super::acquire::CLIENTS {
+        let k = |x: &str| format!("acquire.c{c}.{x}");
+        let _ = writeln!(
+            s,
+            "| {c} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+            v(r, &k("decisions_per_s")),
+            v(r, &k("p50_ms")),
+            v(r, &k("p99_ms")),
+            v(r, &k("p999_ms")),
+            v(r, &k("ceiling_per_s")),
+            v(r, &k("ceiling_p50_ms")),
+            v(r, &k("ceiling_p99_ms")),
+            v(r, &k("ratio_to_ceiling")),
+            v(r, &k("http_floor_per_s")),
+            v(r, &k("http_floor_p50_ms")),
+            v(r, &k("http_floor_p99_ms")),
+            v(r, &k("limitador_per_s")),
+            v(r, &k("limitador_p99_ms")),
+            v(r, &k("ratio_to_limitador")),
+        );
+    }
+
+    let _ = writeln!(s, "\n## Allocator grants (64 concurrent agents, want 1)\n");
+    let _ = writeln!(
+        s,
+        "| quotas | replicas | grants/s | p50 ms | p99 ms | pgbench tps (ceiling) | ratio to ceiling |"
+    );
+    let _ = writeln!(s, "|---|---|---|---|---|---|---|");
+    for (case, quotas, replicas, pg) in [
+        ("hot.r1", "1 hot".to_string(), 1, "hot"),
+        ("hot.r2", "1 hot".to_string(), 2, "hot"),
+        ("q10k.r1", format!("{}", plan.many_quotas), 1, "q10k"),
+        ("q10k.r2", format!("{}", plan.many_quotas), 2, "q10k"),
+    ] {
+        let k = |x: &str| format!("grants.c64.{case}.{x}");
+        let _ = writeln!(
+            s,
+            "| {quotas} | {replicas} | {} | {} | {} | {} | {} |",
+            v(r, &k("grants_per_s")),
+            v(r, &k("p50_ms")),
+            v(r, &k("p99_ms")),
+            v(r, &format!("grants.c64.pgbench.{pg}.tps")),
+            v(r, &k("ratio_to_ceiling")),
+        );
+    }
+
+    let _ = writeln!(s, "\n## Renewal cost, utilization, scaling\n");
+    let _ = writeln!(s, "| measure | value |");
+    let _ = writeln!(s, "|---|---|");
+    let mut rows: Vec<(String, String)> = vec![
+        (
+            format!("allocator calls per 1,000 admits ({} req/s steady, default policy)", plan.steady_rate),
+            v(r, "renewals_per_1000_admits"),
+        ),
+        (
+            "grant calls / admits counted".into(),
+            format!("{} / {}", v(r, "renewal.grant_calls"), v(r, "renewal.admits")),
+        ),
+    ];
+    for sc in ["skew", "contention"] {
+        let k = |x: &str| format!("utilization.{sc}.{x}");
+        rows.push((format!("{sc}: admitted / min(G, demand) %"), v(r, &format!("utilization.{sc}"))));
+        rows.push((format!("{sc}: stranded per window, % of G"), v(r, &k("stranded_pct"))));
+        for region in super::utilization::REGIONS {
+            rows.push((
+                format!("{sc}: region {region} served % / share of admits %"),
+                format!(
+                    "{} / {}",
+                    v(r, &k(&format!("{region}.served_pct"))),
+                    v(r, &k(&format!("{region}.share_of_admits_pct")))
+                ),
+            ));
+        }
+        rows.push((
+            format!("{sc}: max gap share of admits vs demand (points)"),
+            v(r, &k("max_share_gap_pts")),
+        ));
+        rows.push((format!("{sc}: quota-windows measured"), v(r, &k("quota_windows"))));
+    }
+    rows.push((
+        "Redis bytes per quota (MEMORY USAGE, summed over its keys)".into(),
+        v(r, "scaling.redis_bytes_per_quota"),
+    ));
+    for n in &plan.scaling_quotas {
+        let k = |x: &str| format!("scaling.q{n}.{x}");
+        rows.push((format!("{n} quotas: allocator RSS MiB"), v(r, &k("allocator_rss_mb"))));
+        rows.push((format!("{n} quotas: grant p99 ms (64 agents, 1 replica)"), v(r, &k("grant_p99_ms"))));
+        rows.push((format!("{n} quotas: grants/s"), v(r, &k("grants_per_s"))));
+    }
+    rows.push((
+        format!(
+            "ledger rows/s at {} admits/s on one quota (extrapolated ×3600 → per hour)",
+            v(r, "renewal.admits_per_s")
+        ),
+        format!("{} → {}", v(r, "scaling.ledger_rows_per_s"), v(r, "scaling.ledger_rows_per_hour")),
+    ));
+    rows.push(("ledger rows per grant (whole run)".into(), v(r, "scaling.ledger_rows_per_grant")));
+    for (a, b) in rows {
+        let _ = writeln!(s, "| {a} | {b} |");
+    }
+
+    let _ = writeln!(s, "\n## Targets\n");
+    let _ = writeln!(s, "| target | value | required | met |");
+    let _ = writeln!(s, "|---|---|---|---|");
+    for t in targets {
+        let _ = writeln!(
+            s,
+            "| {} (`{}`) | {} | {} | {} |",
+            t.what,
+            t.key,
+            v(r, &t.key),
+            t.target,
+            if t.met { "yes" } else { "**no**" }
+        );
+    }
+    if !r.notes.is_empty() {
+        let _ = writeln!(s, "\n## Notes\n");
+        for n in &r.notes {
+            let _ = writeln!(s, "- {n}");
+        }
+    }
+    s
+}

@@ -1,0 +1,60 @@
+//! The only benchmark CI runs: `quota-lab bench --smoke` (a few seconds of
+//! every measurement) must finish and write a report whose headline keys
+//! hold finite values, so the harness cannot rot between real runs.
+
+use std::process::Command;
+
+/// Keys that must be measured and positive.
+const POSITIVE: [&str; 8] = [
+    "acquire.c1.decisions_per_s",
+    "acquire.c16.p99_ms",
+    "acquire.c16.decisions_per_s",
+    "acquire.c16.ratio_to_ceiling",
+    "acquire.c64.decisions_per_s",
+    "grants.c64.grants_per_s",
+    "grants.c64.ratio_to_ceiling",
+    "utilization.skew",
+];
+
+/// Keys that must be measured; 0 is a legitimate value for them (no
+/// stranded token, no renewal beyond the first grant in a short run).
+const NON_NEGATIVE: [&str; 3] = ["renewals_per_1000_admits", "stranded_pct", "utilization.contention"];
+
+#[test]
+fn bench_smoke_writes_a_report_with_every_headline_key() {
+    let out = tempfile::tempdir().expect("temp dir");
+    let status = Command::new(env!("CARGO_BIN_EXE_quota-lab"))
+        .args(["bench", "--smoke", "--out"])
+        .arg(out.path())
+        .status()
+        .expect("run quota-lab");
+    assert!(status.success(), "quota-lab bench --smoke exited with {status}");
+    let text = std::fs::read_to_string(out.path().join("report.json")).expect("report.json written");
+    let report: serde_json::Value = serde_json::from_str(&text).expect("report.json is JSON");
+    assert!(
+        report["machine"]["nproc"].as_u64().unwrap_or(0) >= 1,
+        "machine description: {}",
+        report["machine"]
+    );
+    assert_eq!(report["command"], "cargo lab bench --smoke");
+    let results = &report["results"];
+    for key in POSITIVE {
+        let v = results[key].as_f64().unwrap_or_else(|| panic!("{key} missing in {results}"));
+        assert!(v.is_finite() && v > 0.0, "{key} = {v}");
+    }
+    for key in NON_NEGATIVE {
+        let v = results[key].as_f64().unwrap_or_else(|| panic!("{key} missing in {results}"));
+        assert!(v.is_finite() && v >= 0.0, "{key} = {v}");
+    }
+    // The peer is an optional build (see chaos/Cargo.toml); without it the
+    // report must say why instead of carrying the key.
+    if cfg!(feature = "limitador-peer") {
+        let v = results["acquire.c16.ratio_to_limitador"].as_f64().expect("ratio_to_limitador");
+        assert!(v.is_finite() && v > 0.0, "ratio_to_limitador = {v}");
+    } else {
+        assert!(report["notes"].to_string().contains("limitador"), "no note on the missing peer");
+    }
+    assert!(std::fs::read_to_string(out.path().join("report.md"))
+        .expect("report.md")
+        .contains("| clients |"));
+}
