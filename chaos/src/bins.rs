@@ -13,7 +13,7 @@ pub struct Bins {
 
 /// The directory holding `quota-lab` (`target/<profile>`); a test binary
 /// lives one level deeper, in `deps/`.
-fn profile_dir() -> Result<PathBuf, String> {
+pub fn profile_dir() -> Result<PathBuf, String> {
     let exe = std::env::current_exe().map_err(|e| format!("cannot locate quota-lab: {e}"))?;
     let mut dir = exe.parent().map(Path::to_path_buf).ok_or("quota-lab has no parent directory")?;
     if dir.file_name().is_some_and(|n| n == "deps") {

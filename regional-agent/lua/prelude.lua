@@ -12,25 +12,33 @@
 -- become a release entry in the outbox of the agent that holds the lease
 -- (only that agent may release it at the allocator), exactly once, because
 -- the book is marked done in the same script.
+-- Takes a lease out of the live set; its book stays (until its own TTL)
+-- so a replayed grant of the same lease id is still recognised.
+local function finish(P, id)
+  redis.call('ZREM', P .. 'idx', id)
+  redis.call('HSET', P .. 'l:' .. id, 'done', '1')
+  redis.call('DEL', P .. 'live:' .. id, P .. 'nb:' .. id)
+end
+
 local function retire(P, id, l)
   local tokens, spent = tonumber(l[1]), tonumber(l[2])
   local unspent = tokens - spent
   if unspent > 0 then
     redis.call('RPUSH', P .. 'ob:' .. l[4], cjson.encode({k = 'rel', id = id, u = unspent}))
   end
-  redis.call('ZREM', P .. 'idx', id)
-  redis.call('HSET', P .. 'l:' .. id, 'done', '1')
-  redis.call('DEL', P .. 'live:' .. id, P .. 'nb:' .. id)
+  finish(P, id)
 end
 
 -- Scans the live leases (at most 64): retires the dead ones and returns
--- the spendable leases of the earliest open window with their balance.
--- Returns ws (or false), total available, {ids}, {remaining}, the
--- smallest remaining life (ms) of those leases, pending next-window
+-- the spendable leases of the earliest open window with their balance,
+-- soonest to expire first (spending those first leaves the least to
+-- release when a lease dies before its window ends).
+-- Returns ws (or false), total available, {ids}, {remaining}, {life ms},
+-- the smallest remaining life (ms) of those leases, pending next-window
 -- tokens and the smallest wait (ms) until such a lease becomes spendable.
 local function scan(P)
   local ids = redis.call('ZRANGE', P .. 'idx', 0, 63)
-  local ws, avail, cand, rem, life = false, 0, {}, {}, -1
+  local ws, avail, cand, rem, lives, life = false, 0, {}, {}, {}, -1
   local pending, wait = 0, -1
   for _, id in ipairs(ids) do
     local l = redis.call('HMGET', P .. 'l:' .. id, 'tokens', 'spent', 'ws', 'agent', 'epoch', 'done')
@@ -43,23 +51,30 @@ local function scan(P)
         retire(P, id, l)
       else
         local left = tonumber(l[1]) - tonumber(l[2])
-        if redis.call('EXISTS', P .. 'nb:' .. id) == 1 then
-          if left > 0 then
-            pending = pending + left
-            local w = redis.call('PTTL', P .. 'nb:' .. id)
-            if wait < 0 or w < wait then wait = w end
-          end
-        elseif left > 0 and (not ws or ws == l[3]) then
+        if left <= 0 then
+          -- Spent out: nothing to release, and leaving it live would make
+          -- every later decision scan it until it expires.
+          finish(P, id)
+        elseif redis.call('EXISTS', P .. 'nb:' .. id) == 1 then
+          pending = pending + left
+          local w = redis.call('PTTL', P .. 'nb:' .. id)
+          if wait < 0 or w < wait then wait = w end
+        elseif not ws or ws == l[3] then
           ws = l[3]
           avail = avail + left
-          cand[#cand + 1] = id
-          rem[#rem + 1] = left
+          -- Insertion by remaining life: a handful of leases at most.
+          local at = #cand + 1
+          while at > 1 and lives[at - 1] > pttl do
+            cand[at], rem[at], lives[at] = cand[at - 1], rem[at - 1], lives[at - 1]
+            at = at - 1
+          end
+          cand[at], rem[at], lives[at] = id, left, pttl
           if life < 0 or pttl < life then life = pttl end
         end
       end
     end
   end
-  return ws, avail, cand, rem, life, pending, wait
+  return ws, avail, cand, rem, lives, life, pending, wait
 end
 
 -- Checks the quota's incarnation key against the token the agent knows.

@@ -39,12 +39,13 @@ if ARGV[5] ~= '' then
 end
 redis.call('INCRBY', P .. 'dem', cost)
 
-local ws, avail, cand, rem, life, pending, wait = scan(P)
+local ws, avail, cand, rem, _, _, _, wait = scan(P)
 if ws and avail >= cost then
   local left = cost
   for i, id in ipairs(cand) do
     local take = math.min(left, rem[i])
     redis.call('HINCRBY', P .. 'l:' .. id, 'spent', take)
+    if take == rem[i] then finish(P, id) end
     left = left - take
     if left == 0 then break end
   end

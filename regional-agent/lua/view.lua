@@ -4,11 +4,12 @@
 -- KEYS[1]  P..'inc'
 -- ARGV[1]  P; ARGV[2] known token; ARGV[3] fresh token; ARGV[4] fallback
 --          window start; ARGV[5] allowance; ARGV[6] agent; ARGV[7] epoch;
---          ARGV[8] counters ttl (ms)
+--          ARGV[8] counters ttl (ms); ARGV[9] life (ms) a lease must have
+--          left for its tokens to count as lasting
 --
 -- Returns {code, token, ws|-1, available, life_ms, pending, wait_ms,
---          demand_total, exhausted_pttl}; code is 'ok' or 'lost' (then the
---          third element is the loss flag).
+--          demand_total, exhausted_pttl, lasting}; code is 'ok' or 'lost'
+--          (then the third element is the loss flag).
 --
 -- Why one script: the scan retires leases and writes release entries; a
 -- lease must be retired exactly once even when replicas sweep together.
@@ -17,6 +18,10 @@ local token, lost = incarnation(P, ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5]),
 if lost > 0 then
   return {'lost', token, lost}
 end
-local ws, avail, _, _, life, pending, wait = scan(P)
+local ws, avail, _, rem, lives, life, pending, wait = scan(P)
+local lasting = 0
+for i, l in ipairs(lives) do
+  if l >= tonumber(ARGV[9]) then lasting = lasting + rem[i] end
+end
 local dem = tonumber(redis.call('GET', P .. 'dem') or '0')
-return {'ok', token, tonumber(ws or '-1'), avail, life, pending, wait, dem, redis.call('PTTL', P .. 'exh')}
+return {'ok', token, tonumber(ws or '-1'), avail, life, pending, wait, dem, redis.call('PTTL', P .. 'exh'), lasting}

@@ -58,7 +58,16 @@ pub fn describe(m: &Registry) {
         "counter",
         "Acquire answers by outcome (lease, fallback, or the error code)",
     );
-    m.describe("agent_acquire_seconds", "histogram", "Acquire latency");
+    m.describe(
+        "agent_acquire_seconds",
+        "histogram",
+        "Acquire latency inside the agent (body read to response built)",
+    );
+    m.describe(
+        "agent_acquire_store_seconds",
+        "histogram",
+        "Redis round trips of the spend script within acquire (the rest of agent_acquire_seconds is the agent's own work)",
+    );
     m.describe("agent_lease_tokens", "gauge", "Tokens left in the region's spendable leases, per quota");
     m.describe("agent_allocator_reachable", "gauge", "1 while the allocator answers");
     m.describe("agent_fallback_admits_total", "counter", "Admits from the fallback allowance");

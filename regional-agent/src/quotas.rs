@@ -68,6 +68,9 @@ pub struct View {
     pub ws: i64,
     /// Tokens left in spendable leases.
     pub available: i64,
+    /// Of those, the tokens in leases that live at least as long as the
+    /// renewer asked (its horizon, or to the window's end).
+    pub lasting: i64,
     /// Smallest remaining life of those leases (ms), -1 without lease.
     pub life_ms: i64,
     /// Tokens of next-window leases not yet spendable.

@@ -73,8 +73,9 @@ pub async fn run(app: AppState, q: Arc<Quota>) {
     }
 }
 
-/// Runs the view script: sweeps expired leases, reads balance and demand.
-async fn view(app: &AppState, q: &Quota) -> Result<Option<(View, i64)>, StoreError> {
+/// Runs the view script: sweeps expired leases, reads balance and demand;
+/// tokens count as lasting in leases with at least `lasting_ms` to live.
+async fn view(app: &AppState, q: &Quota, lasting_ms: i64) -> Result<Option<(View, i64)>, StoreError> {
     let p = q.policy();
     let now = app.clock.now_utc();
     let (fb_ws, allowance) =
@@ -88,7 +89,8 @@ async fn view(app: &AppState, q: &Quota) -> Result<Option<(View, i64)>, StoreErr
         .arg(allowance)
         .arg(&app.settings.agent)
         .arg(app.ident.epoch())
-        .arg(COUNTER_TTL_MS);
+        .arg(COUNTER_TTL_MS)
+        .arg(lasting_ms);
     let r: Reply = app.store.eval(&inv).await?;
     let token = r.str(1);
     if !token.is_empty() {
@@ -104,6 +106,7 @@ async fn view(app: &AppState, q: &Quota) -> Result<Option<(View, i64)>, StoreErr
     let v = View {
         ws: r.int(2),
         available: r.int(3),
+        lasting: r.int(9),
         life_ms: r.int(4),
         pending: r.int(5),
         exhausted_ms: r.int(8),
@@ -112,8 +115,23 @@ async fn view(app: &AppState, q: &Quota) -> Result<Option<(View, i64)>, StoreErr
     Ok(Some((v, r.int(7))))
 }
 
+/// The renew-ahead horizon (ms): the configured lead plus a few round trips.
+fn horizon_ms(app: &AppState, q: &Quota) -> f64 {
+    app.settings.renew_ahead.as_millis() as f64 + 3.0 * q.renew.lock().unwrap().rtt_ms
+}
+
 async fn renew_once(app: &AppState, q: &Arc<Quota>) -> Result<(), StoreError> {
-    let Some((v, demand_total)) = view(app, q).await? else { return Ok(()) };
+    let horizon_ms = horizon_ms(app, q);
+    // A lease that ends with its window lasts as long as it needs to; the
+    // next window's lease is the prefetch's business.
+    let lasting_ms = match q.policy() {
+        Some(p) => {
+            let now = app.clock.now_utc();
+            (horizon_ms as i64).min(Window::containing(now, p.window_secs).ms_until_end(now) - 150)
+        }
+        None => horizon_ms as i64,
+    };
+    let Some((v, demand_total)) = view(app, q, lasting_ms).await? else { return Ok(()) };
     *q.view.lock().unwrap() = v;
     let rate = {
         let mut d = q.demand.lock().unwrap();
@@ -142,9 +160,9 @@ async fn renew_once(app: &AppState, q: &Arc<Quota>) -> Result<(), StoreError> {
             return Ok(());
         }
     }
-    let (not_before, rtt_ms, prefetched, next_not_before) = {
+    let (not_before, prefetched, next_not_before) = {
         let r = q.renew.lock().unwrap();
-        (r.not_before, r.rtt_ms, r.prefetched, r.next_not_before)
+        (r.not_before, r.prefetched, r.next_not_before)
     };
     let now_i = Instant::now();
     if not_before.is_some_and(|t| now_i < t) || !app.alloc.breaker.allow() {
@@ -163,13 +181,13 @@ async fn renew_once(app: &AppState, q: &Arc<Quota>) -> Result<(), StoreError> {
     let now = app.clock.now_utc();
     let win = Window::containing(now, p.window_secs);
     let to_end_ms = win.ms_until_end(now);
-    let horizon_ms = app.settings.renew_ahead.as_millis() as f64 + 3.0 * rtt_ms;
     let need_tokens = rate * horizon_ms / 1000.0 + 1.0;
-    let ends_with_window = v.life_ms >= 0 && v.life_ms + 150 >= to_end_ms;
-    let short_life = v.life_ms >= 0 && (v.life_ms as f64) < horizon_ms && !ends_with_window;
+    // Only tokens that outlive the horizon count: renewing because the
+    // soonest lease is dying while a fresh one holds plenty would stack a
+    // new lease on every tick until the old one expired.
     let want_current = v.exhausted_ms <= 0
         && to_end_ms > 50
-        && ((v.available as f64) < need_tokens || short_life || (waiting && v.available == 0));
+        && ((v.lasting as f64) < need_tokens || (waiting && v.available == 0));
     let window_ms = p.window_secs * 1000;
     let lead_ms = (2.0 * horizon_ms).max(500.0).min(window_ms as f64 / 2.0);
     let want_next = rate > 0.05

@@ -316,7 +316,10 @@ async fn spend_once(
         .arg(COUNTER_TTL_MS)
         .arg(&app.settings.agent)
         .arg(app.ident.epoch());
-    let r: Reply = app.store.eval(&inv).await?;
+    let sent = Instant::now();
+    let r: std::result::Result<Reply, _> = app.store.eval(&inv).await;
+    app.metrics.observe("agent_acquire_store_seconds", &[], sent.elapsed().as_secs_f64());
+    let r = r?;
     let code = r.str(0);
     let token = r.str(1);
     if !token.is_empty() {

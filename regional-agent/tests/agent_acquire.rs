@@ -114,3 +114,67 @@ async fn two_replicas_and_64_clients_admit_exactly_the_tokens_granted() {
     let w = World::start().await;
     common::i5_two_replicas_64_clients(&w).await;
 }
+
+/// A lease spent to zero leaves the live set at once: the spend script scans
+/// the live leases on every decision, so a busy region that goes through
+/// many small leases must not pay for each of them until it expires.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spent_out_leases_leave_the_live_set() {
+    let w = World::start().await;
+    w.policy(
+        "atlas",
+        "small",
+        json!({"limit": 10_000, "window_secs": 3600, "chunk_min": 5, "chunk_max": 5, "lease_ttl_secs": 3600}),
+    )
+    .await;
+    let a = w.agent("eu", "eu-1", None, &[]).await;
+    let mut tally = Tally::default();
+    for _ in 0..60 {
+        tally.add(&acquire(&a.http, "atlas", "small").await);
+    }
+    assert_eq!(tally.admitted(), 60, "every request admitted: {tally:?}");
+
+    let prefix = regional_agent::keys::Keys::new("").quota("atlas", "small");
+    let client = redis::Client::open(w.redis_url()).expect("redis url");
+    let mut conn = client.get_multiplexed_async_connection().await.expect("redis");
+    let live: i64 =
+        redis::cmd("ZCARD").arg(format!("{prefix}idx")).query_async(&mut conn).await.expect("ZCARD");
+    let books: Vec<String> =
+        redis::cmd("KEYS").arg(format!("{prefix}l:*")).query_async(&mut conn).await.expect("KEYS");
+    // 60 admits from leases of 5 tokens: at least 12 leases were credited,
+    // and only the ones still holding tokens (the current one and a renewal
+    // ahead of need) may be live.
+    assert!(books.len() >= 12, "lease books: {books:?}");
+    assert!(live <= 3, "{live} leases still live after {} were credited", books.len());
+}
+
+/// Leases shorter than the window are renewed once as they near their end,
+/// not on every renewer tick of their last horizon: only tokens that outlive
+/// the horizon count, so a fresh lease stops the renewals.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn short_leases_are_renewed_once_not_stacked() {
+    let w = World::start().await;
+    w.policy("atlas", "short", json!({"limit": 1_000_000, "window_secs": 3600, "lease_ttl_secs": 2})).await;
+    let a = w.agent("eu", "eu-1", None, &[]).await;
+    let prefix = regional_agent::keys::Keys::new("").quota("atlas", "short");
+    let client = redis::Client::open(w.redis_url()).expect("redis url");
+    let mut conn = client.get_multiplexed_async_connection().await.expect("redis");
+
+    let mut tally = Tally::default();
+    let mut most_live = 0i64;
+    let started = std::time::Instant::now();
+    let mut n = 0u32;
+    // About 50 requests per second for 5 s: two and a half lease lives.
+    while started.elapsed() < std::time::Duration::from_secs(5) {
+        tally.add(&acquire(&a.http, "atlas", "short").await);
+        n += 1;
+        if n % 5 == 0 {
+            let live: i64 =
+                redis::cmd("ZCARD").arg(format!("{prefix}idx")).query_async(&mut conn).await.expect("ZCARD");
+            most_live = most_live.max(live);
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert_eq!(tally.admitted(), n as i64, "every request admitted: {tally:?}");
+    assert!(most_live <= 3, "{most_live} leases live at once");
+}

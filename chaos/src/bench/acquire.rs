@@ -9,12 +9,14 @@
 //! * the HTTP floor: `GET /healthz` of the same agent, which touches no
 //!   Redis, so `decision ≈ floor + script` says where the time goes;
 //! * the peer: `limitador` with its async Redis storage and one counter
-//!   limit of the same size (`check_rate_limited_and_update`).
+//!   limit of the same size (`check_rate_limited_and_update`), in the
+//!   `limitador-peer` process ([`super::peer`]).
 //!
 //! Interleaving the four per repetition keeps the machine's background load
 //! (two other engineers' builds) roughly equal across what a ratio compares.
 
 use super::hist::{closed_loop, Medians, Op, Sample};
+use super::peer::Peer;
 use super::rig::Rig;
 use super::{Plan, Results};
 use futures::FutureExt;
@@ -32,11 +34,6 @@ const LIMIT: i64 = 1_000_000_000;
 const WINDOW_SECS: i64 = 86_400;
 /// Every network call of a measured operation gives up after this long.
 const CALL_TIMEOUT: Duration = Duration::from_secs(5);
-/// Why a build without the `limitador-peer` feature has no peer figures.
-#[cfg(not(feature = "limitador-peer"))]
-const NO_PEER: &str = "built without the `limitador-peer` feature: limitador 0.12-0.14 do not compile with \
-     `redis_storage` alone (storage/keys.rs uses the `bin` module only `disk_storage` defines), and \
-     `disk_storage` builds RocksDB with bindgen, which needs libclang (not installed here)";
 /// Concurrencies measured.
 pub const CLIENTS: [usize; 3] = [1, 16, 64];
 
@@ -134,45 +131,6 @@ fn spend_op(conn: redis::aio::ConnectionManager, a: SpendArgs) -> Op {
     })
 }
 
-#[cfg(feature = "limitador-peer")]
-fn limitador_op(limiter: Arc<limitador::AsyncRateLimiter>) -> Op {
-    Arc::new(move |_, _| {
-        let limiter = limiter.clone();
-        async move {
-            let ns: limitador::limit::Namespace = TENANT.into();
-            let ctx = limitador::limit::Context::default();
-            let r = tokio::time::timeout(CALL_TIMEOUT, limiter.check_rate_limited_and_update(&ns, &ctx, 1))
-                .await
-                .map_err(|_| "limitador timed out".to_string())?
-                .map_err(|e| format!("limitador: {e}"))?;
-            if r.limited {
-                Err("limitador limited".into())
-            } else {
-                Ok(())
-            }
-        }
-        .boxed()
-    })
-}
-
-#[cfg(feature = "limitador-peer")]
-async fn limitador(redis_url: &str) -> Result<Arc<limitador::AsyncRateLimiter>, String> {
-    let storage =
-        tokio::time::timeout(CALL_TIMEOUT, limitador::storage::redis::AsyncRedisStorage::new(redis_url))
-            .await
-            .map_err(|_| "limitador: connecting to Redis timed out".to_string())?
-            .map_err(|e| format!("limitador: connecting to Redis: {e}"))?;
-    let limiter = limitador::AsyncRateLimiter::new_with_storage(Box::new(storage));
-    limiter.add_limit(limitador::limit::Limit::new(
-        TENANT,
-        LIMIT as u64,
-        WINDOW_SECS as u64,
-        Vec::<limitador::limit::Predicate>::new(),
-        Vec::<limitador::limit::Expression>::new(),
-    ));
-    Ok(Arc::new(limiter))
-}
-
 /// Runs the acquire measurements on `rig` with a Redis of their own.
 pub async fn run(rig: &Rig, plan: &Plan, out: &mut Results, progress: &dyn Fn(&str)) -> Result<(), String> {
     let redis = TestRedis::start();
@@ -212,10 +170,11 @@ pub async fn run(rig: &Rig, plan: &Plan, out: &mut Results, progress: &dyn Fn(&s
         agent: "eu-1".into(),
         epoch: agent.epoch().await,
     };
-    #[cfg(feature = "limitador-peer")]
-    let peer = limitador(&redis.url).await;
-    #[cfg(not(feature = "limitador-peer"))]
-    let peer: Result<(), String> = Err(NO_PEER.into());
+    let peer = if plan.mode == "smoke" {
+        Err("a smoke run does not build the peer (RocksDB); --quick and full runs measure it".to_string())
+    } else {
+        Peer::ensure(progress)
+    };
     if let Err(e) = &peer {
         out.note(format!("limitador peer not measured: {e}"));
     }
@@ -223,17 +182,19 @@ pub async fn run(rig: &Rig, plan: &Plan, out: &mut Results, progress: &dyn Fn(&s
     for &c in &CLIENTS {
         let mut agent_s: Vec<Sample> = Vec::new();
         let (mut lua_s, mut floor_s, mut r_ceiling) = (Vec::new(), Vec::new(), Vec::new());
-        #[cfg_attr(not(feature = "limitador-peer"), allow(unused_mut))]
         let (mut lim_s, mut r_peer): (Vec<Sample>, Vec<f64>) = (Vec::new(), Vec::new());
+        let mut stages: Vec<Stages> = Vec::new();
         for rep in 0..plan.reps {
             progress(&format!("acquire: {c} client(s), repetition {}/{}", rep + 1, plan.reps));
+            let before = StageSums::read(&http, &agent.base).await?;
             let a = closed_loop(c, plan.acquire, acquire_op(http.clone(), &agent.base)).await?;
+            let stage = StageSums::read(&http, &agent.base).await?.since(&before, a.mean_ms);
+            stages.push(stage);
             let l = closed_loop(c, plan.acquire, spend_op(conn.clone(), args.clone())).await?;
             let f = closed_loop(c, plan.acquire, healthz_op(http.clone(), &agent.base)).await?;
             r_ceiling.push(a.per_s / l.per_s.max(f64::MIN_POSITIVE));
-            #[cfg(feature = "limitador-peer")]
             if let Ok(p) = &peer {
-                let m = closed_loop(c, plan.acquire, limitador_op(p.clone())).await?;
+                let m = p.measure(&redis.url, c, plan.acquire).await?;
                 r_peer.push(a.per_s / m.per_s.max(f64::MIN_POSITIVE));
                 lim_s.push(m);
             }
@@ -254,6 +215,10 @@ pub async fn run(rig: &Rig, plan: &Plan, out: &mut Results, progress: &dyn Fn(&s
         out.set(&k("http_floor_per_s"), f.per_s);
         out.set(&k("http_floor_p50_ms"), f.p50_ms);
         out.set(&k("http_floor_p99_ms"), f.p99_ms);
+        let med = |g: fn(&Stages) -> f64| super::hist::median(&stages.iter().map(g).collect::<Vec<_>>());
+        out.set(&k("stage.client_and_http_us"), med(|s| s.client_and_http_us));
+        out.set(&k("stage.agent_us"), med(|s| s.agent_us));
+        out.set(&k("stage.redis_us"), med(|s| s.redis_us));
         for (what, m) in [("agent", &a), ("spend script", &l), ("healthz", &f)] {
             if m.errors > 0 {
                 out.note(format!("acquire c{c}: {} {what} errors, first: {:?}", m.errors, m.first_error));
@@ -268,19 +233,81 @@ pub async fn run(rig: &Rig, plan: &Plan, out: &mut Results, progress: &dyn Fn(&s
     }
 
     progress("scaling: Redis memory of one quota");
-    out.set("scaling.redis_bytes_per_quota", quota_memory(&mut conn.clone(), &prefix).await?);
+    let keys = quota_memory(&mut conn.clone(), &prefix).await?;
+    out.set("scaling.redis_bytes_per_quota", keys.iter().map(|(_, n)| *n as f64).sum());
+    let parts: Vec<String> = keys.iter().map(|(k, n)| format!("{k} {n} B")).collect();
+    out.note(format!("Redis keys of the bench quota after the acquire runs: {}", parts.join(", ")));
     Ok(())
+}
+
+/// Sums of the agent's own latency histograms (`/metrics`): the time inside
+/// the handler and, within it, the spend script's Redis round trips.
+struct StageSums {
+    handler_s: f64,
+    handler_n: f64,
+    store_s: f64,
+}
+
+/// Where one decision's time went, as means per decision over one run: the
+/// client's mean latency split into what the agent measured itself.
+#[derive(Debug, Clone, Copy)]
+struct Stages {
+    /// Client, loopback, HTTP parsing and writing outside the handler.
+    client_and_http_us: f64,
+    /// The agent's own work in the handler: JSON, quota lookup, headers.
+    agent_us: f64,
+    /// The spend script's round trip to Redis.
+    redis_us: f64,
+}
+
+impl StageSums {
+    async fn read(http: &reqwest::Client, base: &str) -> Result<StageSums, String> {
+        let text = http
+            .get(format!("{base}/metrics"))
+            .send()
+            .await
+            .map_err(|e| format!("agent /metrics: {e}"))?
+            .text()
+            .await
+            .map_err(|e| format!("agent /metrics: {e}"))?;
+        let value = |name: &str| {
+            text.lines()
+                .find_map(|l| l.strip_prefix(name).and_then(|v| v.trim().parse::<f64>().ok()))
+                .ok_or_else(|| format!("agent /metrics has no {name}"))
+        };
+        Ok(StageSums {
+            handler_s: value("agent_acquire_seconds_sum")?,
+            handler_n: value("agent_acquire_seconds_count")?,
+            store_s: value("agent_acquire_store_seconds_sum")?,
+        })
+    }
+
+    /// The stages of the decisions made since `before`, whose mean latency
+    /// at the client was `client_mean_ms`.
+    fn since(&self, before: &StageSums, client_mean_ms: f64) -> Stages {
+        let n = (self.handler_n - before.handler_n).max(1.0);
+        let handler_us = 1e6 * (self.handler_s - before.handler_s) / n;
+        let redis_us = 1e6 * (self.store_s - before.store_s) / n;
+        Stages {
+            client_and_http_us: client_mean_ms * 1000.0 - handler_us,
+            agent_us: handler_us - redis_us,
+            redis_us,
+        }
+    }
 }
 
 /// Most SCAN pages read (each asks for 1,000 keys): one quota has a handful
 /// of keys, so hitting this means the pattern is wrong, not a large quota.
 const MAX_SCAN_PAGES: usize = 1_000;
 
-/// `MEMORY USAGE` summed over every key under `prefix`.
-async fn quota_memory(conn: &mut redis::aio::ConnectionManager, prefix: &str) -> Result<f64, String> {
+/// `MEMORY USAGE` of every key under `prefix`, by the key's suffix.
+async fn quota_memory(
+    conn: &mut redis::aio::ConnectionManager,
+    prefix: &str,
+) -> Result<Vec<(String, i64)>, String> {
     let pattern = format!("{}*", prefix.replace('[', "\\[").replace('*', "\\*").replace('?', "\\?"));
     let mut cursor: u64 = 0;
-    let mut total = 0i64;
+    let mut sizes = Vec::new();
     for _ in 0..MAX_SCAN_PAGES {
         let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
             .arg(cursor)
@@ -300,11 +327,12 @@ async fn quota_memory(conn: &mut redis::aio::ConnectionManager, prefix: &str) ->
                 .query_async(conn)
                 .await
                 .map_err(|e| format!("MEMORY USAGE {k}: {e}"))?;
-            total += n.unwrap_or(0);
+            sizes.push((k.strip_prefix(prefix).unwrap_or(&k).to_string(), n.unwrap_or(0)));
         }
         cursor = next;
         if cursor == 0 {
-            return Ok(total as f64);
+            sizes.sort();
+            return Ok(sizes);
         }
     }
     Err(format!("SCAN of {pattern} did not finish in {MAX_SCAN_PAGES} pages"))

@@ -15,11 +15,13 @@ const MAX_US: u64 = 60_000_000;
 /// One operation of a closed loop: `(client, n)` → done or why not.
 pub type Op = Arc<dyn Fn(usize, u64) -> BoxFuture<'static, Result<(), String>> + Send + Sync>;
 
-/// What one closed-loop run measured.
-#[derive(Debug, Clone)]
+/// What one closed-loop run measured (JSON between `quota-lab` and the
+/// `limitador-peer` process).
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct Sample {
     /// Successful operations per second over the run.
     pub per_s: f64,
+    pub mean_ms: f64,
     pub p50_ms: f64,
     pub p99_ms: f64,
     pub p999_ms: f64,
@@ -84,6 +86,7 @@ pub async fn closed_loop(clients: usize, dur: Duration, op: Op) -> Result<Sample
     let ms = |q: f64| all.value_at_quantile(q) as f64 / 1000.0;
     Ok(Sample {
         per_s: ok as f64 / secs,
+        mean_ms: all.mean() / 1000.0,
         p50_ms: ms(0.50),
         p99_ms: ms(0.99),
         p999_ms: ms(0.999),

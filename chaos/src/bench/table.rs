@@ -17,9 +17,10 @@ pub struct TargetRow {
 }
 
 /// Every target with its key, bound and direction (`true`: at least).
-const TARGETS: [(&str, &str, f64, bool); 8] = [
+const TARGETS: [(&str, &str, f64, bool); 9] = [
     ("acquire.c16.p99_ms", "agent decision p99 at 16 clients (ms)", 1.0, false),
     ("acquire.c16.ratio_to_ceiling", "agent / bare spend script at 16 clients", 0.5, true),
+    ("acquire.c16.ratio_to_limitador", "agent / limitador on the same Redis at 16 clients", 1.0, true),
     ("renewals_per_1000_admits", "allocator calls per 1,000 admits", 10.0, false),
     ("utilization.skew", "skew: admitted / min(G, demand) (%)", 99.0, true),
     ("utilization.contention", "contention: admitted / min(G, demand) (%)", 99.0, true),
@@ -98,6 +99,25 @@ pub fn markdown(plan: &Plan, m: &Machine, r: &Results, targets: &[TargetRow]) ->
             v(r, &k("limitador_per_s")),
             v(r, &k("limitador_p99_ms")),
             v(r, &k("ratio_to_limitador")),
+        );
+    }
+
+    let _ = writeln!(s, "\n### Where a decision's time goes (means per decision, µs)\n");
+    let _ = writeln!(
+        s,
+        "Client mean latency split by the agent's own histograms (`agent_acquire_seconds`, \
+         `agent_acquire_store_seconds`, read from `/metrics` around each run).\n"
+    );
+    let _ = writeln!(s, "| clients | client, loopback and HTTP outside the handler | agent's own work | Redis round trip of the spend script |");
+    let _ = writeln!(s, "|---|---|---|---|");
+    for c in super::acquire::CLIENTS {
+        let k = |x: &str| format!("acquire.c{c}.stage.{x}");
+        let _ = writeln!(
+            s,
+            "| {c} | {} | {} | {} |",
+            v(r, &k("client_and_http_us")),
+            v(r, &k("agent_us")),
+            v(r, &k("redis_us")),
         );
     }
 
@@ -191,7 +211,11 @@ pub fn markdown(plan: &Plan, m: &Machine, r: &Results, targets: &[TargetRow]) ->
             t.key,
             v(r, &t.key),
             t.target,
-            if t.met { "yes" } else { "**no**" }
+            match (t.met, t.value) {
+                (true, _) => "yes",
+                (false, Some(_)) => "**no**",
+                (false, None) => "not measured",
+            }
         );
     }
     if !r.notes.is_empty() {
