@@ -168,7 +168,7 @@ async fn short_leases_are_renewed_once_not_stacked() {
     while started.elapsed() < std::time::Duration::from_secs(5) {
         tally.add(&acquire(&a.http, "atlas", "short").await);
         n += 1;
-        if n % 5 == 0 {
+        if n.is_multiple_of(5) {
             let live: i64 =
                 redis::cmd("ZCARD").arg(format!("{prefix}idx")).query_async(&mut conn).await.expect("ZCARD");
             most_live = most_live.max(live);
