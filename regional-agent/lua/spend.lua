@@ -12,6 +12,10 @@
 -- ARGV[9]  fallback allowance per window for the region
 -- ARGV[10] ttl of counters (ms)
 -- ARGV[11] agent id, ARGV[12] agent epoch (0 when not registered yet)
+-- ARGV[13] '1' when this call counts toward demand: a request that waits
+--          for a renewal and tries again is one request of demand, not
+--          several (counted twice, a slow region's demand estimate jumps
+--          at every window boundary and its leases strand tokens)
 --
 -- Returns {code, token, a, b, c}:
 --   {'lost', token, flag}           incarnation changed or missing (see prelude)
@@ -37,7 +41,7 @@ if ARGV[5] ~= '' then
   local seen = redis.call('GET', rid)
   if seen then return {'dup', token, seen} end
 end
-redis.call('INCRBY', P .. 'dem', cost)
+if ARGV[13] == '1' then redis.call('INCRBY', P .. 'dem', cost) end
 
 local ws, avail, cand, rem, _, _, _, wait = scan(P)
 if ws and avail >= cost then

@@ -201,10 +201,13 @@ async fn renew_once(app: &AppState, q: &Arc<Quota>) -> Result<(), StoreError> {
     let chunk_s = (2.0 * horizon_ms / 1000.0).max(1.0);
     let floor = (p.limit / 100).max(1);
     let mut want_cur = ((rate * chunk_s).ceil() as i64).max(floor);
-    // Never ask for more than the rest of the window will use: parked tokens
-    // are stranded at the boundary, which starves other regions (skew).
-    let rest = (rate * (to_end_ms as f64 / 1000.0) * 1.2).ceil() as i64 + 1;
-    want_cur = want_cur.min(rest.max(floor)).min(p.limit).max(1);
+    // Never ask for more than the rest of the window will use, not even the
+    // floor: tokens parked at the boundary are stranded, and while demand
+    // is at G every stranded token is an admit another region was refused
+    // (skew). The 5 % covers the demand estimate's lag; the few extra
+    // grants a small region makes near the end are the price.
+    let rest = (rate * (to_end_ms as f64 / 1000.0) * 1.05).ceil() as i64 + 1;
+    want_cur = want_cur.min(rest).min(p.limit).max(1);
     let want_nxt = ((rate * chunk_s).ceil() as i64).max(floor).min(p.limit).max(1);
     with_lock(app, q, move |app, q| async move {
         if want_current {

@@ -231,10 +231,12 @@ async fn decide(app: &AppState, req: &AcquireRequest, policy_out: &mut Option<Po
         return Err(Error::invalid("cost", format!("{} is above the quota's limit {}", req.cost, p.limit)));
     }
     let mut waited = 0;
+    // Whether an earlier try of this request already counted its demand.
+    let mut counted = false;
     for _ in 0..8 {
         let reachable = app.allocator_reachable();
         let fallback = !reachable && p.fail_mode == FailMode::Bounded;
-        let r = match spend_once(app, &q, p, req, fallback).await {
+        let r = match spend_once(app, &q, p, req, fallback, !counted).await {
             Ok(r) => r,
             Err(e) => {
                 tracing::warn!(tenant = %req.tenant, resource = %req.resource, error = %e, "spend failed");
@@ -250,6 +252,7 @@ async fn decide(app: &AppState, req: &AcquireRequest, policy_out: &mut Option<Po
                 }
             }
             Spend::None { wait_ms, exhausted_ms } => {
+                counted = true;
                 if (0..=MAX_OPEN_WAIT_MS).contains(&wait_ms) {
                     tokio::time::sleep(Duration::from_millis(wait_ms as u64 + 2)).await;
                     continue;
@@ -298,6 +301,7 @@ async fn spend_once(
     p: PolicyInfo,
     req: &AcquireRequest,
     fallback: bool,
+    count_demand: bool,
 ) -> std::result::Result<Spend, crate::store::StoreError> {
     let fb_ws = Window::containing(app.clock.now_utc(), p.window_secs).start;
     let rid = req.request_id.as_deref().map(Keys::request_id_suffix).unwrap_or_default();
@@ -315,7 +319,8 @@ async fn spend_once(
         .arg(p.fallback_allowance)
         .arg(COUNTER_TTL_MS)
         .arg(&app.settings.agent)
-        .arg(app.ident.epoch());
+        .arg(app.ident.epoch())
+        .arg(if count_demand { "1" } else { "0" });
     let sent = Instant::now();
     let r: std::result::Result<Reply, _> = app.store.eval(&inv).await;
     app.metrics.observe("agent_acquire_store_seconds", &[], sent.elapsed().as_secs_f64());

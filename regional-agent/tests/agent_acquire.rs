@@ -178,3 +178,33 @@ async fn short_leases_are_renewed_once_not_stacked() {
     assert_eq!(tally.admitted(), n as i64, "every request admitted: {tally:?}");
     assert!(most_live <= 3, "{most_live} leases live at once");
 }
+
+/// A request that waits for a renewal and tries the spend again is one
+/// request of demand: counted per try, a region's demand estimate (and so
+/// its lease size) grows with every wait, and the tokens it over-asks for
+/// are stranded at the window end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_that_waits_counts_its_demand_once() {
+    let w = World::start().await;
+    w.policy("atlas", "tiny", json!({"limit": 5, "window_secs": 3600})).await;
+    let a = w.agent("eu", "eu-1", None, &[]).await;
+    let mut tally = Tally::default();
+    for _ in 0..5 {
+        tally.add(&acquire(&a.http, "atlas", "tiny").await);
+    }
+    assert_eq!(tally.admitted(), 5, "{tally:?}");
+    // The pool is empty now; these find no token, wait for the renewer to
+    // learn that, and try again before they answer 429.
+    let refused = futures::future::join_all((0..8).map(|_| acquire(&a.http, "atlas", "tiny"))).await;
+    for r in &refused {
+        tally.add(r);
+    }
+    assert_eq!(tally.count(429, "quota_exhausted"), 8, "{tally:?}");
+
+    let prefix = regional_agent::keys::Keys::new("").quota("atlas", "tiny");
+    let client = redis::Client::open(w.redis_url()).expect("redis url");
+    let mut conn = client.get_multiplexed_async_connection().await.expect("redis");
+    let demand: i64 =
+        redis::cmd("GET").arg(format!("{prefix}dem")).query_async(&mut conn).await.expect("GET");
+    assert_eq!(demand, 13, "13 requests were made");
+}

@@ -117,7 +117,8 @@ fn spend_op(conn: redis::aio::ConnectionManager, a: SpendArgs) -> Op {
                 .arg(a.fallback)
                 .arg(regional_agent::spend::COUNTER_TTL_MS)
                 .arg(&a.agent)
-                .arg(a.epoch);
+                .arg(a.epoch)
+                .arg("1");
             let r: Reply = tokio::time::timeout(CALL_TIMEOUT, inv.invoke_async(&mut conn))
                 .await
                 .map_err(|_| "spend script timed out".to_string())?

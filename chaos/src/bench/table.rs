@@ -164,11 +164,12 @@ pub fn markdown(plan: &Plan, m: &Machine, r: &Results, targets: &[TargetRow]) ->
         rows.push((format!("{sc}: stranded per window, % of G"), v(r, &k("stranded_pct"))));
         for region in super::utilization::REGIONS {
             rows.push((
-                format!("{sc}: region {region} served % / share of admits %"),
+                format!("{sc}: region {region} served % / share of admits % / stranded % of G"),
                 format!(
-                    "{} / {}",
+                    "{} / {} / {}",
                     v(r, &k(&format!("{region}.served_pct"))),
-                    v(r, &k(&format!("{region}.share_of_admits_pct")))
+                    v(r, &k(&format!("{region}.share_of_admits_pct"))),
+                    v(r, &k(&format!("{region}.stranded_pct")))
                 ),
             ));
         }

@@ -99,6 +99,7 @@ async fn scenarios(
 
         let (mut admitted, mut possible, mut stranded, mut windows) = (0u64, 0u64, 0i64, 0u64);
         let mut by_region: BTreeMap<String, (u64, u64)> = BTreeMap::new();
+        let mut stranded_by_region: BTreeMap<String, i64> = BTreeMap::new();
         for (r, tally) in resources.iter().zip(&tallies) {
             let grouped = traffic::by_window(tally, w);
             let accounts = crate::accounts::windows(&stack.admin, TENANT, r, from, to).await?;
@@ -114,7 +115,12 @@ async fn scenarios(
                     e.0 += rc.admitted();
                     e.1 += rc.admitted() + rc.denied + rc.unavailable + rc.ambiguous;
                 }
-                stranded += accounts.get(&ws).map(|a| a.stranded).unwrap_or(0);
+                if let Some(a) = accounts.get(&ws) {
+                    stranded += a.stranded;
+                    for (name, ra) in &a.regions {
+                        *stranded_by_region.entry(name.clone()).or_default() += ra.stranded;
+                    }
+                }
             }
         }
         let util = 100.0 * admitted as f64 / possible.max(1) as f64;
@@ -134,6 +140,11 @@ async fn scenarios(
             let share_demand = 100.0 * *o as f64 / off_total.max(1) as f64;
             out.set(&k(&format!("{name}.served_pct")), served);
             out.set(&k(&format!("{name}.share_of_admits_pct")), share_admits);
+            let parked = stranded_by_region.get(name).copied().unwrap_or(0);
+            out.set(
+                &k(&format!("{name}.stranded_pct")),
+                100.0 * parked as f64 / (g as f64 * windows.max(1) as f64),
+            );
             gap = gap.max((share_admits - share_demand).abs());
             min_served = min_served.min(served);
         }
