@@ -8,18 +8,24 @@
 -- P..'live:'..id (exists while the lease may be spent; relative PX TTL),
 -- P..'nb:'..id (exists until a next-window lease may be spent).
 
+-- Takes a lease out of the live set. Its book stays a while so that a
+-- replayed grant of the same lease id (a resent request is answered with
+-- the same lease) is still recognised; replays come within the agent's
+-- resend window (seconds), so ten minutes is ample, and a book kept for the
+-- counters' week would hold one hash per lease ever granted (a busy quota
+-- renews every second or so).
+local BOOK_KEEP_MS = 600000
+local function finish(P, id)
+  redis.call('ZREM', P .. 'idx', id)
+  redis.call('HSET', P .. 'l:' .. id, 'done', '1')
+  redis.call('PEXPIRE', P .. 'l:' .. id, BOOK_KEEP_MS)
+  redis.call('DEL', P .. 'live:' .. id, P .. 'nb:' .. id)
+end
+
 -- Retires a lease that expired or whose epoch is fenced: its unspent tokens
 -- become a release entry in the outbox of the agent that holds the lease
 -- (only that agent may release it at the allocator), exactly once, because
 -- the book is marked done in the same script.
--- Takes a lease out of the live set; its book stays (until its own TTL)
--- so a replayed grant of the same lease id is still recognised.
-local function finish(P, id)
-  redis.call('ZREM', P .. 'idx', id)
-  redis.call('HSET', P .. 'l:' .. id, 'done', '1')
-  redis.call('DEL', P .. 'live:' .. id, P .. 'nb:' .. id)
-end
-
 local function retire(P, id, l)
   local tokens, spent = tonumber(l[1]), tonumber(l[2])
   local unspent = tokens - spent

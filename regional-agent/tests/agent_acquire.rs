@@ -146,6 +146,19 @@ async fn spent_out_leases_leave_the_live_set() {
     // ahead of need) may be live.
     assert!(books.len() >= 12, "lease books: {books:?}");
     assert!(live <= 3, "{live} leases still live after {} were credited", books.len());
+    // A finished lease's book is kept only long enough to recognise a
+    // replayed grant, not for the counters' week.
+    let mut finished = 0;
+    for b in &books {
+        let done: Option<String> =
+            redis::cmd("HGET").arg(b).arg("done").query_async(&mut conn).await.expect("HGET");
+        if done.is_some() {
+            let ttl: i64 = redis::cmd("PTTL").arg(b).query_async(&mut conn).await.expect("PTTL");
+            assert!((1..=600_000).contains(&ttl), "book {b} of a finished lease kept for {ttl} ms");
+            finished += 1;
+        }
+    }
+    assert!(finished >= 10, "{finished} finished books of {}", books.len());
 }
 
 /// Leases shorter than the window are renewed once as they near their end,
