@@ -1,79 +1,119 @@
--- spend.lua: one admission decision (I5). Prepended with prelude.lua.
+-- spend.lua: the admission decisions (I5) of one or more requests on one
+-- quota, made one after the other in arrival order. Prepended with
+-- prelude.lua.
 --
 -- KEYS[1]  P..'inc' (routes the call to the quota's slot; P is ARGV[1])
 -- ARGV[1]  P, the quota prefix from keys.rs
 -- ARGV[2]  incarnation token the agent knows ('' / '?' on first touch)
 -- ARGV[3]  fresh token to install when the incarnation key is missing
--- ARGV[4]  cost (tokens, >= 1)
--- ARGV[5]  request id key suffix ('' when the request carries none)
--- ARGV[6]  request id ttl (ms)
--- ARGV[7]  '1' when fallback may be used (allocator unreachable, bounded)
--- ARGV[8]  fallback window start (Unix s, the agent's UTC clock)
--- ARGV[9]  fallback allowance per window for the region
--- ARGV[10] ttl of counters (ms)
--- ARGV[11] agent id, ARGV[12] agent epoch (0 when not registered yet)
--- ARGV[13] '1' when this call counts toward demand: a request that waits
---          for a renewal and tries again is one request of demand, not
---          several (counted twice, a slow region's demand estimate jumps
---          at every window boundary and its leases strand tokens)
+-- ARGV[4]  request id ttl (ms)
+-- ARGV[5]  '1' when fallback may be used (allocator unreachable, bounded)
+-- ARGV[6]  fallback window start (Unix s, the agent's UTC clock)
+-- ARGV[7]  fallback allowance per window for the region
+-- ARGV[8]  ttl of counters (ms)
+-- ARGV[9]  agent id, ARGV[10] agent epoch (0 when not registered yet)
+-- then three arguments per request, from ARGV[11]:
+--   cost (tokens, >= 1); request id key suffix ('' when the request carries
+--   none); '1' when the request counts toward demand (a request that waits
+--   for a renewal and tries again is one request of demand, not several:
+--   counted twice, a slow region's demand estimate jumps at every window
+--   boundary and its leases strand tokens)
 --
--- Returns {code, token, a, b, c}:
---   {'lost', token, flag}           incarnation changed or missing (see prelude)
---   {'dup', token, 'src:ws:rem'}    request id seen: the first decision
---   {'lease', token, ws, remaining}
---   {'fallback', token, ws, remaining}
---   {'none', token, wait_ms, exhausted_retry_ms (-1: not exhausted), available}
+-- Returns {'lost', token, flag} for all the requests when the incarnation
+-- changed or is missing (see prelude), else {'ok', token, d1, d2, ...} with
+-- one decision per request:
+--   {'dup', 'src:ws:rem'}      request id seen: the first decision
+--   {'lease', ws, remaining}
+--   {'fallback', ws, remaining}
+--   {'none', wait_ms, exhausted_retry_ms (-1: not exhausted), available}
 --
 -- Why one script: expiry, epoch fence, balance check, debit, demand count,
 -- consumption counter and request-id record must happen as one step across
 -- replicas. MULTI/EXEC cannot branch on what it read, and a key can expire
 -- between the commands of a MULTI but never in the middle of a script.
+-- Why several requests: the leases are scanned once for all of them and
+-- the counters written once, so a busy quota costs Redis one run per batch
+-- instead of one per request; each decision still sees every debit before
+-- it, exactly as if the requests had come in separate runs.
 local P = ARGV[1]
-local cost = tonumber(ARGV[4])
-local ttl = tonumber(ARGV[10])
-local token, lost = incarnation(P, ARGV[2], ARGV[3], ARGV[8], tonumber(ARGV[9]), ARGV[11], tonumber(ARGV[12]), ttl)
+local ttl = tonumber(ARGV[8])
+local fws = ARGV[6]
+local allowance = tonumber(ARGV[7])
+local token, lost = incarnation(P, ARGV[2], ARGV[3], fws, allowance, ARGV[9], tonumber(ARGV[10]), ttl)
 if lost > 0 then
   return {'lost', token, lost}
 end
-local rid = false
-if ARGV[5] ~= '' then
-  rid = P .. 'rid:' .. ARGV[5]
-  local seen = redis.call('GET', rid)
-  if seen then return {'dup', token, seen} end
-end
-if ARGV[13] == '1' then redis.call('INCRBY', P .. 'dem', cost) end
+local rid_ttl = tonumber(ARGV[4])
 
 local ws, avail, cand, rem, _, _, _, wait = scan(P)
-if ws and avail >= cost then
-  local left = cost
-  for i, id in ipairs(cand) do
-    local take = math.min(left, rem[i])
-    redis.call('HINCRBY', P .. 'l:' .. id, 'spent', take)
-    if take == rem[i] then finish(P, id) end
-    left = left - take
-    if left == 0 then break end
+-- Debits are taken from the candidates in order (soonest to expire first)
+-- and written once at the end.
+local first, took = 1, {}
+for i = 1, #cand do took[i] = 0 end
+local demand, consumed, fb_used, fb_taken, exh = 0, 0, false, 0, false
+local out = {'ok', token}
+for at = 11, #ARGV - 2, 3 do
+  local cost = tonumber(ARGV[at])
+  local rid, seen = false, false
+  if ARGV[at + 1] ~= '' then
+    rid = P .. 'rid:' .. ARGV[at + 1]
+    seen = redis.call('GET', rid)
   end
-  redis.call('INCRBY', P .. 'cons:' .. ws, cost)
-  redis.call('PEXPIRE', P .. 'cons:' .. ws, ttl)
-  redis.call('SADD', P .. 'dirty', ws)
-  if rid then redis.call('SET', rid, 'lease:' .. ws .. ':' .. (avail - cost), 'PX', tonumber(ARGV[6])) end
-  return {'lease', token, tonumber(ws), avail - cost}
+  if seen then
+    out[#out + 1] = {'dup', seen}
+  else
+    if ARGV[at + 2] == '1' then demand = demand + cost end
+    if ws and avail >= cost then
+      local left = cost
+      while left > 0 do
+        local take = math.min(left, rem[first])
+        rem[first] = rem[first] - take
+        took[first] = took[first] + take
+        left = left - take
+        if rem[first] == 0 then first = first + 1 end
+      end
+      avail = avail - cost
+      consumed = consumed + cost
+      if rid then redis.call('SET', rid, 'lease:' .. ws .. ':' .. avail, 'PX', rid_ttl) end
+      out[#out + 1] = {'lease', tonumber(ws), avail}
+    else
+      local admitted = false
+      if ARGV[5] == '1' then
+        if not fb_used then fb_used = tonumber(redis.call('GET', P .. 'fb:' .. fws) or '0') end
+        if fb_used + cost <= allowance then
+          fb_used = fb_used + cost
+          fb_taken = fb_taken + cost
+          local r = allowance - fb_used
+          if rid then redis.call('SET', rid, 'fallback:' .. fws .. ':' .. r, 'PX', rid_ttl) end
+          out[#out + 1] = {'fallback', tonumber(fws), r}
+          admitted = true
+        end
+      end
+      if not admitted then
+        if not exh then exh = tonumber(redis.call('GET', P .. 'exh') or '-1') end
+        out[#out + 1] = {'none', wait, exh, avail}
+      end
+    end
+  end
 end
 
-if ARGV[7] == '1' then
-  local fws = ARGV[8]
-  local allowance = tonumber(ARGV[9])
-  local fk = P .. 'fb:' .. fws
-  local used = tonumber(redis.call('GET', fk) or '0')
-  if used + cost <= allowance then
-    redis.call('INCRBY', fk, cost)
-    redis.call('PEXPIRE', fk, ttl)
-    redis.call('INCRBY', P .. 'fbr:' .. fws, cost)
-    redis.call('PEXPIRE', P .. 'fbr:' .. fws, ttl)
-    redis.call('SADD', P .. 'dirty', fws)
-    local r = allowance - used - cost
-    if rid then redis.call('SET', rid, 'fallback:' .. fws .. ':' .. r, 'PX', tonumber(ARGV[6])) end
-    return {'fallback', token, tonumber(fws), r}
+if demand > 0 then redis.call('INCRBY', P .. 'dem', demand) end
+for i, id in ipairs(cand) do
+  if took[i] > 0 then
+    redis.call('HINCRBY', P .. 'l:' .. id, 'spent', took[i])
+    if rem[i] == 0 then finish(P, id) end
   end
 end
-return {'none', token, wait, tonumber(redis.call('GET', P .. 'exh') or '-1'), avail}
+if consumed > 0 then
+  redis.call('INCRBY', P .. 'cons:' .. ws, consumed)
+  redis.call('PEXPIRE', P .. 'cons:' .. ws, ttl)
+  redis.call('SADD', P .. 'dirty', ws)
+end
+if fb_taken > 0 then
+  redis.call('INCRBY', P .. 'fb:' .. fws, fb_taken)
+  redis.call('PEXPIRE', P .. 'fb:' .. fws, ttl)
+  redis.call('INCRBY', P .. 'fbr:' .. fws, fb_taken)
+  redis.call('PEXPIRE', P .. 'fbr:' .. fws, ttl)
+  redis.call('SADD', P .. 'dirty', fws)
+end
+return out

@@ -66,7 +66,12 @@ pub fn describe(m: &Registry) {
     m.describe(
         "agent_acquire_store_seconds",
         "histogram",
-        "Redis round trips of the spend script within acquire (the rest of agent_acquire_seconds is the agent's own work)",
+        "Time an acquire waits on the spend script within the handler: queued behind the quota's run in flight, then its own run's Redis round trip (the rest of agent_acquire_seconds is the agent's own work)",
+    );
+    m.describe(
+        "agent_spend_runs_total",
+        "counter",
+        "Runs of the spend script; agent_acquire_total over this is the mean number of decisions per run",
     );
     m.describe("agent_lease_tokens", "gauge", "Tokens left in the region's spendable leases, per quota");
     m.describe("agent_allocator_reachable", "gauge", "1 while the allocator answers");

@@ -16,6 +16,7 @@
 //! * [`epoch`]: registration, epochs and fences (I4).
 //! * [`quotas`]: what the agent knows per quota (policy, demand, incarnation).
 //! * [`spend`]: `POST /v1/acquire` (I5, I2, fallback, I6).
+//! * [`batch`]: concurrent decisions on one quota share one script run.
 //! * [`renew`]: the background renewer (DESIGN §4), crediting (I5, I4).
 //! * [`outbox`]: cutting and draining reports and releases (I7).
 //! * [`fallback`]: the opt-in local allowance while Redis is unreachable.
@@ -54,6 +55,7 @@
 //! * The agent's own endpoints have no authentication (it is a sidecar);
 //!   it warns when listening on a non-loopback address.
 
+pub mod batch;
 pub mod breaker;
 pub mod client;
 pub mod config;

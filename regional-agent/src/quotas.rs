@@ -4,6 +4,7 @@
 //! measured demand and the renewer's last view. The map is bounded by
 //! [`MAX_QUOTAS`]; a quota beyond it is refused rather than growing memory.
 
+use crate::batch::SpendQueue;
 use quota_shared::wire::{FailMode, GrantRequest, GrantResponse};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -87,6 +88,10 @@ pub struct Demand {
     last_total: Option<(i64, Instant)>,
     /// Tokens per second, exponentially weighted (time constant 1 s).
     pub rate: f64,
+    /// Whether `rate` comes from a reading span yet (false for the first
+    /// quarter second of a quota's life in this process: `rate` is 0 then,
+    /// whatever the demand).
+    pub measured: bool,
 }
 
 impl Demand {
@@ -107,6 +112,7 @@ impl Demand {
                     self.rate = self.rate.max(inst * 0.5);
                 }
                 self.last_total = Some((total, at));
+                self.measured = true;
             }
         } else {
             self.last_total = Some((total, at));
@@ -157,6 +163,8 @@ pub struct Quota {
     pub wake: Notify,
     /// Renewer → waiting requests.
     pub renewed: Notify,
+    /// Requests waiting for the quota's next spend run (see [`crate::batch`]).
+    pub spends: Mutex<SpendQueue>,
 }
 
 impl Quota {
@@ -212,6 +220,7 @@ impl Quotas {
             last_used: Mutex::new(Instant::now()),
             wake: Notify::new(),
             renewed: Notify::new(),
+            spends: Mutex::new(SpendQueue::default()),
         });
         m.insert((tenant.to_string(), resource.to_string()), q.clone());
         Some((q, true))

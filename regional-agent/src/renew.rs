@@ -133,10 +133,10 @@ async fn renew_once(app: &AppState, q: &Arc<Quota>) -> Result<(), StoreError> {
     };
     let Some((v, demand_total)) = view(app, q, lasting_ms).await? else { return Ok(()) };
     *q.view.lock().unwrap() = v;
-    let rate = {
+    let (rate, measured) = {
         let mut d = q.demand.lock().unwrap();
         d.sample(demand_total, Instant::now());
-        d.rate
+        (d.rate, d.measured)
     };
     let label = format!("{}/{}", q.tenant, q.resource);
     app.metrics.set("agent_lease_tokens", &[("quota", &label)], v.available as f64);
@@ -205,8 +205,13 @@ async fn renew_once(app: &AppState, q: &Arc<Quota>) -> Result<(), StoreError> {
     // floor: tokens parked at the boundary are stranded, and while demand
     // is at G every stranded token is an admit another region was refused
     // (skew). The 5 % covers the demand estimate's lag; the few extra
-    // grants a small region makes near the end are the price.
-    let rest = (rate * (to_end_ms as f64 / 1000.0) * 1.05).ceil() as i64 + 1;
+    // grants a small region makes near the end are the price. Before the
+    // first reading the rate says 0 whatever the demand: the floor then,
+    // or a cold burst is fed one token per grant and answered 429.
+    let mut rest = (rate * (to_end_ms as f64 / 1000.0) * 1.05).ceil() as i64 + 1;
+    if !measured {
+        rest = rest.max(floor);
+    }
     want_cur = want_cur.min(rest).min(p.limit).max(1);
     let want_nxt = ((rate * chunk_s).ceil() as i64).max(floor).min(p.limit).max(1);
     with_lock(app, q, move |app, q| async move {

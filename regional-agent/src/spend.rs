@@ -1,14 +1,15 @@
-//! `POST /v1/acquire`: one admission decision per request, made by one
-//! EVALSHA of `lua/spend.lua` that checks the quota's incarnation, each
+//! `POST /v1/acquire`: one admission decision per request, made by a run
+//! of `lua/spend.lua` (shared with the concurrent requests on the same
+//! quota, see [`crate::batch`]) that checks the quota's incarnation, each
 //! lease's expiry and epoch fence and the balance, and debits atomically
 //! (I5). The request path never calls the allocator: when no token is left
 //! it wakes the renewer and waits (bounded) for it, and it answers from the
 //! region's fallback counter only while the allocator is unreachable.
 
+use crate::batch::{self, Ask, Common, Spend};
 use crate::error::{Error, Result};
 use crate::keys::Keys;
 use crate::quotas::{self, PolicyInfo, Quota};
-use crate::store::{Reply, SPEND};
 use crate::AppState;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -177,13 +178,6 @@ pub fn rate_limit_headers(
     }
 }
 
-/// What one run of the spend script said.
-enum Spend {
-    Admit(Admit),
-    Lost { certain: bool },
-    None { wait_ms: i64, exhausted_ms: i64 },
-}
-
 /// Waits until the renewer reports, at most `d`.
 async fn wait_renewal(q: &Quota, d: Duration) {
     let n = q.renewed.notified();
@@ -303,50 +297,16 @@ async fn spend_once(
     fallback: bool,
     count_demand: bool,
 ) -> std::result::Result<Spend, crate::store::StoreError> {
-    let fb_ws = Window::containing(app.clock.now_utc(), p.window_secs).start;
+    let common = Common {
+        fallback,
+        fb_ws: Window::containing(app.clock.now_utc(), p.window_secs).start,
+        allowance: p.fallback_allowance,
+        rid_ttl_ms: p.window_secs * 1000,
+    };
     let rid = req.request_id.as_deref().map(Keys::request_id_suffix).unwrap_or_default();
-    let fresh = uuid::Uuid::new_v4().simple().to_string();
-    let mut inv = SPEND.prepare_invoke();
-    inv.key(format!("{}inc", q.prefix))
-        .arg(&q.prefix)
-        .arg(q.token())
-        .arg(&fresh)
-        .arg(req.cost)
-        .arg(rid)
-        .arg(p.window_secs * 1000)
-        .arg(if fallback { "1" } else { "0" })
-        .arg(fb_ws)
-        .arg(p.fallback_allowance)
-        .arg(COUNTER_TTL_MS)
-        .arg(&app.settings.agent)
-        .arg(app.ident.epoch())
-        .arg(if count_demand { "1" } else { "0" });
+    let ask = Ask { cost: req.cost, rid, count_demand };
     let sent = Instant::now();
-    let r: std::result::Result<Reply, _> = app.store.eval(&inv).await;
+    let r = batch::spend(app, q, common, ask).await;
     app.metrics.observe("agent_acquire_store_seconds", &[], sent.elapsed().as_secs_f64());
-    let r = r?;
-    let code = r.str(0);
-    let token = r.str(1);
-    if !token.is_empty() {
-        let mut t = q.token.lock().unwrap();
-        if *t != token {
-            *t = token;
-        }
-    }
-    Ok(match code.as_str() {
-        "lease" | "fallback" => {
-            Spend::Admit(Admit { source: code, window_start: r.int(2), remaining: r.int(3) })
-        }
-        "dup" => {
-            let s = r.str(2);
-            let mut it = s.splitn(3, ':');
-            let source = it.next().unwrap_or("lease").to_string();
-            let ws = it.next().and_then(|v| v.parse().ok()).unwrap_or(0);
-            let remaining = it.next().and_then(|v| v.parse().ok()).unwrap_or(0);
-            Spend::Admit(Admit { source, window_start: ws, remaining })
-        }
-        "lost" => Spend::Lost { certain: r.int(2) == 2 },
-        "none" => Spend::None { wait_ms: r.int(2), exhausted_ms: r.int(3) },
-        other => return Err(crate::store::StoreError::Protocol(other.to_string())),
-    })
+    r
 }

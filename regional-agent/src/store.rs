@@ -16,7 +16,7 @@ use std::time::Duration;
 /// The prelude shared by the scanning scripts (see `lua/prelude.lua`).
 const PRELUDE: &str = include_str!("../lua/prelude.lua");
 
-/// `lua/spend.lua`: one admission decision (I5).
+/// `lua/spend.lua`: the admission decisions of a batch of requests on one quota (I5).
 pub static SPEND: LazyLock<Script> =
     LazyLock::new(|| Script::new(&format!("{PRELUDE}\n{}", include_str!("../lua/spend.lua"))));
 /// `lua/view.lua`: the renewer's view and the expiry sweep.
@@ -31,8 +31,8 @@ pub static FENCE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("
 /// `lua/unlock.lua`: releases the renew lock if still ours.
 pub static UNLOCK: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("../lua/unlock.lua")));
 
-/// Why a Redis call failed.
-#[derive(Debug, thiserror::Error)]
+/// Why a Redis call failed (cloned to every request of a failed batch).
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum StoreError {
     /// Redis answered with an error or the connection broke.
     #[error("redis: {0}")]
@@ -143,6 +143,14 @@ impl Reply {
             Some(Value::Int(n)) => n.to_string(),
             Some(Value::Okay) => "OK".into(),
             _ => String::new(),
+        }
+    }
+
+    /// Field `i`, itself an array (empty when absent or not an array).
+    pub fn nested(&self, i: usize) -> Reply {
+        match self.0.get(i) {
+            Some(Value::Array(items)) => Reply(items.clone()),
+            _ => Reply(Vec::new()),
         }
     }
 

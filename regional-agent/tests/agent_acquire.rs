@@ -221,3 +221,65 @@ async fn a_request_that_waits_counts_its_demand_once() {
         redis::cmd("GET").arg(format!("{prefix}dem")).query_async(&mut conn).await.expect("GET");
     assert_eq!(demand, 13, "13 requests were made");
 }
+
+/// Concurrent requests on one quota are decided in shared runs of the spend
+/// script, and sharing a run changes no decision: a request id sent twice at
+/// once is admitted once and both answers are the first decision, and the
+/// allocator learns exactly the distinct admits. The burst comes right after
+/// the quota's first request, before the agent has a demand reading: it is
+/// still all admitted (asks were once clamped to one token then, and the
+/// burst was answered 429 from a pool of 100,000).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_requests_share_spend_runs_and_each_request_id_is_admitted_once() {
+    let w = World::start().await;
+    w.policy("atlas", "busy", json!({"limit": 100000, "window_secs": 3600})).await;
+    let a = w.agent("eu", "eu-1", None, &[]).await;
+    acquire(&a.http, "atlas", "busy").await.expect(200);
+    let metric = |text: &str, name: &str| -> f64 {
+        text.lines().find_map(|l| l.strip_prefix(name).and_then(|v| v.trim().parse().ok())).unwrap_or(0.0)
+    };
+    let before = a.http.get("/metrics").await.expect(200).body.as_str().unwrap_or_default().to_string();
+
+    // 32 clients in 16 pairs; both clients of a pair send the same 25 ids.
+    let tasks: Vec<_> = (0..32)
+        .map(|i| {
+            let http = a.http.clone();
+            tokio::spawn(async move {
+                let mut answers = Vec::new();
+                for n in 0..25 {
+                    let id = format!("p{}-{n}", i / 2);
+                    let body = json!({"tenant": "atlas", "resource": "busy", "request_id": id});
+                    answers.push((id, http.post("/v1/acquire", &body).await));
+                }
+                answers
+            })
+        })
+        .collect();
+    let mut first: std::collections::BTreeMap<String, serde_json::Value> = Default::default();
+    let mut tally = Tally::default();
+    for t in tasks {
+        for (id, r) in t.await.unwrap() {
+            let r = r.expect(200);
+            match first.get(&id) {
+                Some(seen) => assert_eq!(seen, &r.body, "request id {id} answered twice differently"),
+                None => {
+                    tally.add(&r);
+                    first.insert(id, r.body.clone());
+                }
+            }
+        }
+    }
+    assert_eq!(first.len(), 400);
+
+    let after = a.http.get("/metrics").await.expect(200).body.as_str().unwrap_or_default().to_string();
+    let decisions = metric(&after, "agent_acquire_total{outcome=\"lease\"}")
+        - metric(&before, "agent_acquire_total{outcome=\"lease\"}");
+    let runs = metric(&after, "agent_spend_runs_total") - metric(&before, "agent_spend_runs_total");
+    assert_eq!(decisions, 800.0, "{after}");
+    assert!(runs > 0.0 && runs < 0.9 * decisions, "{runs} runs for {decisions} decisions: no run was shared");
+
+    // The first admit's window plus the 400 distinct ids.
+    let ws = tally.by_window.keys().next().cloned().expect("a window");
+    tally.by_window.get_mut(&ws).unwrap().0 += 1;
+    w.wait_accounting("atlas", "busy", &tally.by_window).await;
+}

@@ -109,8 +109,6 @@ fn spend_op(conn: redis::aio::ConnectionManager, a: SpendArgs) -> Op {
                 .arg(&a.prefix)
                 .arg(&a.token)
                 .arg("bench-fresh")
-                .arg(1)
-                .arg("")
                 .arg(WINDOW_SECS * 1000)
                 .arg("0")
                 .arg(a.fb_ws)
@@ -118,13 +116,16 @@ fn spend_op(conn: redis::aio::ConnectionManager, a: SpendArgs) -> Op {
                 .arg(regional_agent::spend::COUNTER_TTL_MS)
                 .arg(&a.agent)
                 .arg(a.epoch)
+                // One request per run: the script as one client's decision costs.
+                .arg(1)
+                .arg("")
                 .arg("1");
             let r: Reply = tokio::time::timeout(CALL_TIMEOUT, inv.invoke_async(&mut conn))
                 .await
                 .map_err(|_| "spend script timed out".to_string())?
                 .map_err(|e| format!("spend script: {e}"))?;
-            match r.str(0).as_str() {
-                "lease" => Ok(()),
+            match (r.str(0).as_str(), r.nested(2).str(0).as_str()) {
+                ("ok", "lease") => Ok(()),
                 other => Err(format!("spend script answered {other:?}")),
             }
         }
@@ -220,6 +221,7 @@ pub async fn run(rig: &Rig, plan: &Plan, out: &mut Results, progress: &dyn Fn(&s
         out.set(&k("stage.client_and_http_us"), med(|s| s.client_and_http_us));
         out.set(&k("stage.agent_us"), med(|s| s.agent_us));
         out.set(&k("stage.redis_us"), med(|s| s.redis_us));
+        out.set(&k("decisions_per_script_run"), med(|s| s.decisions_per_run));
         for (what, m) in [("agent", &a), ("spend script", &l), ("healthz", &f)] {
             if m.errors > 0 {
                 out.note(format!("acquire c{c}: {} {what} errors, first: {:?}", m.errors, m.first_error));
@@ -247,6 +249,8 @@ struct StageSums {
     handler_s: f64,
     handler_n: f64,
     store_s: f64,
+    /// Runs of the spend script (one run decides a batch of requests).
+    runs: f64,
 }
 
 /// Where one decision's time went, as means per decision over one run: the
@@ -257,8 +261,10 @@ struct Stages {
     client_and_http_us: f64,
     /// The agent's own work in the handler: JSON, quota lookup, headers.
     agent_us: f64,
-    /// The spend script's round trip to Redis.
+    /// Waiting on the spend script: the quota's run in flight, then its own.
     redis_us: f64,
+    /// Decisions per run of the spend script (the batch size).
+    decisions_per_run: f64,
 }
 
 impl StageSums {
@@ -280,6 +286,7 @@ impl StageSums {
             handler_s: value("agent_acquire_seconds_sum")?,
             handler_n: value("agent_acquire_seconds_count")?,
             store_s: value("agent_acquire_store_seconds_sum")?,
+            runs: value("agent_spend_runs_total")?,
         })
     }
 
@@ -293,6 +300,7 @@ impl StageSums {
             client_and_http_us: client_mean_ms * 1000.0 - handler_us,
             agent_us: handler_us - redis_us,
             redis_us,
+            decisions_per_run: n / (self.runs - before.runs).max(1.0),
         }
     }
 }

@@ -106,18 +106,21 @@ pub fn markdown(plan: &Plan, m: &Machine, r: &Results, targets: &[TargetRow]) ->
     let _ = writeln!(
         s,
         "Client mean latency split by the agent's own histograms (`agent_acquire_seconds`, \
-         `agent_acquire_store_seconds`, read from `/metrics` around each run).\n"
+         `agent_acquire_store_seconds`, `agent_spend_runs_total`, read from `/metrics` around \
+         each run). Concurrent decisions on one quota share a run of the spend script; the Redis \
+         column is a decision's wait for the run in flight plus its own run.\n"
     );
-    let _ = writeln!(s, "| clients | client, loopback and HTTP outside the handler | agent's own work | Redis round trip of the spend script |");
-    let _ = writeln!(s, "|---|---|---|---|");
+    let _ = writeln!(s, "| clients | client, loopback and HTTP outside the handler | agent's own work | waiting on the spend script (Redis) | decisions per script run |");
+    let _ = writeln!(s, "|---|---|---|---|---|");
     for c in super::acquire::CLIENTS {
         let k = |x: &str| format!("acquire.c{c}.stage.{x}");
         let _ = writeln!(
             s,
-            "| {c} | {} | {} | {} |",
+            "| {c} | {} | {} | {} | {} |",
             v(r, &k("client_and_http_us")),
             v(r, &k("agent_us")),
             v(r, &k("redis_us")),
+            v(r, &format!("acquire.c{c}.decisions_per_script_run")),
         );
     }
 
