@@ -81,19 +81,21 @@ pub struct SpendQueue {
 /// Decides one request, in a run shared with the requests queued beside it.
 pub async fn spend(app: &AppState, q: &Arc<Quota>, common: Common, ask: Ask) -> Answer {
     let (tx, rx) = oneshot::channel();
-    let full = {
+    // The ask comes back only when the queue is full.
+    let alone = {
         let mut sq = q.spends.lock().unwrap();
-        let full = sq.queue.len() >= MAX_QUEUED;
-        if !full {
-            sq.queue.push_back(Queued { common, ask: ask.clone(), tx });
+        if sq.queue.len() >= MAX_QUEUED {
+            Some(ask)
+        } else {
+            sq.queue.push_back(Queued { common, ask, tx });
             if !sq.running {
                 sq.running = true;
                 tokio::spawn(drain(app.clone(), q.clone()));
             }
+            None
         }
-        full
     };
-    if full {
+    if let Some(ask) = alone {
         return run(app, q, common, std::slice::from_ref(&ask)).await?.pop().ok_or_else(short);
     }
     // The run ahead of this request's and its own, each bounded by the

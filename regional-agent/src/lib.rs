@@ -1,8 +1,8 @@
 //! The regional agent (DESIGN §1, §3–§5): the sidecar applications call on
 //! every request. It spends allocator leases from the region's Redis with
 //! an atomic script (one run decides a request, or the batch of concurrent
-//! requests on one quota one after the other), renews ahead of need in proportion to
-//! region-wide demand, admits a bounded fallback while the allocator is
+//! requests on one quota one after the other), renews ahead of need in
+//! proportion to region-wide demand, admits a bounded fallback while the allocator is
 //! unreachable, and reports every admit and unspent remainder exactly once
 //! through a durable outbox in Redis.
 //!

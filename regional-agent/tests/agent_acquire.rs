@@ -235,9 +235,7 @@ async fn concurrent_requests_share_spend_runs_and_each_request_id_is_admitted_on
     w.policy("atlas", "busy", json!({"limit": 100000, "window_secs": 3600})).await;
     let a = w.agent("eu", "eu-1", None, &[]).await;
     acquire(&a.http, "atlas", "busy").await.expect(200);
-    let metric = |text: &str, name: &str| -> f64 {
-        text.lines().find_map(|l| l.strip_prefix(name).and_then(|v| v.trim().parse().ok())).unwrap_or(0.0)
-    };
+    let metric = |text: &str, name: &str| quota_tests::http::metric(text, name).unwrap_or(0.0);
     let before = a.http.get("/metrics").await.expect(200).body.as_str().unwrap_or_default().to_string();
 
     // 32 clients in 16 pairs; both clients of a pair send the same 25 ids.

@@ -33,6 +33,12 @@ impl Resp {
     }
 }
 
+/// The value of the sample `name` (with its labels, as written) in a
+/// Prometheus text exposition.
+pub fn metric(text: &str, name: &str) -> Option<f64> {
+    text.lines().find_map(|l| l.strip_prefix(name).and_then(|v| v.trim().parse().ok()))
+}
+
 /// A client bound to one base URL and optional bearer token.
 #[derive(Clone)]
 pub struct Http {

@@ -278,9 +278,7 @@ impl StageSums {
             .await
             .map_err(|e| format!("agent /metrics: {e}"))?;
         let value = |name: &str| {
-            text.lines()
-                .find_map(|l| l.strip_prefix(name).and_then(|v| v.trim().parse::<f64>().ok()))
-                .ok_or_else(|| format!("agent /metrics has no {name}"))
+            quota_tests::http::metric(&text, name).ok_or_else(|| format!("agent /metrics has no {name}"))
         };
         Ok(StageSums {
             handler_s: value("agent_acquire_seconds_sum")?,
