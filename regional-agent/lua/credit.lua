@@ -1,11 +1,15 @@
--- credit.lua: credits one granted lease into the region's balance.
+-- credit.lua: credits one granted lease into the region's balance, and
+-- records the offset of the allocator's clock to this server's (P..'clk',
+-- the region's one clock for fallback windows, I8). Prepended with
+-- prelude.lua.
 --
 -- KEYS[1]  P..'inc'
 -- ARGV[1]  P; ARGV[2] known incarnation token; ARGV[3] epoch of the grant;
 -- ARGV[4]  agent; ARGV[5] lease id; ARGV[6] tokens; ARGV[7] window start;
 -- ARGV[8]  remaining life (ms, from the send instant, I2); ARGV[9] ms until
 --          the lease's window opens (0 for the current window); ARGV[10]
---          book ttl (ms)
+--          book ttl (ms); ARGV[11] the allocator's clock now (Unix ms:
+--          the answer's own instant plus the time since it arrived)
 --
 -- Returns {'ok'} | {'dup'} | {'expired'} | {'stale', fence} | {'lost', token}
 --
@@ -14,12 +18,13 @@
 -- (I5) must hold at the instant the balance appears.
 local P = ARGV[1]
 local inc = redis.call('GET', KEYS[1])
-if inc ~= ARGV[2] then return {'lost', inc or ''} end
+if inc ~= ARGV[2] or not same_server(P) then return {'lost', inc or ''} end
 local epoch = tonumber(ARGV[3])
-local fk = P .. 'fence:' .. ARGV[4]
-local fence = tonumber(redis.call('GET', fk) or '0')
+local fence = raise_fence(P, ARGV[4], epoch)
 if epoch < fence then return {'stale', tostring(fence)} end
-if epoch > fence then redis.call('SET', fk, epoch) end
+local t = redis.call('TIME')
+local server_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('SET', P .. 'clk', string.format('%d', tonumber(ARGV[11]) - server_ms), 'PX', tonumber(ARGV[10]))
 local id = ARGV[5]
 local lk = P .. 'l:' .. id
 if redis.call('EXISTS', lk) == 1 then return {'dup'} end

@@ -83,17 +83,111 @@ local function scan(P)
   return ws, avail, cand, rem, lives, life, pending, wait
 end
 
--- Checks the quota's incarnation key against the token the agent knows.
+-- The identity of the server this script runs on and of its history:
+-- `run_id` changes at every restart of the process (also one that loads
+-- the same snapshot or AOF again) and differs on a promoted replica;
+-- `evicted_keys` rises when the server evicted anything. The quota keeps
+-- the stamp it last ran under in P..'srv'; a stamp that differs means the
+-- keyspace may have gone back in time (restored snapshot, failover to a
+-- replica that missed writes, eviction): a rollback (DESIGN I6).
+local function server_stamp()
+  local info = redis.call('INFO', 'server', 'stats')
+  local run_id = string.match(info, 'run_id:(%x+)') or '?'
+  local evicted = string.match(info, 'evicted_keys:(%d+)') or '0'
+  return run_id .. ':' .. evicted
+end
+
+-- The fallback window (start, ms to its end) from one clock for the whole
+-- region (I8): the server's TIME corrected by the offset to the allocator's
+-- clock that the last credited grant measured (P..'clk', see credit.lua),
+-- never an agent's own wall clock, so replicas whose clocks differ share
+-- one fallback counter per real window. Without a measured offset the
+-- server's clock alone is used (still one clock for all replicas).
+local function fallback_window(P, W)
+  local t = redis.call('TIME')
+  local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  now_ms = now_ms + tonumber(redis.call('GET', P .. 'clk') or '0')
+  local now_s = math.floor(now_ms / 1000)
+  local ws = now_s - (now_s % W)
+  return string.format('%d', ws), (ws + W) * 1000 - now_ms
+end
+
+-- Marks the open fallback window's allowance as spent (the counter of a
+-- lost or rolled-back state cannot be trusted: I6). The counter lives until
+-- its window ends plus a minute.
+local function spend_fallback(P, W, allowance)
+  if allowance <= 0 then return end
+  local fws, to_end = fallback_window(P, W)
+  local fk = P .. 'fb:' .. fws
+  local cur = tonumber(redis.call('GET', fk) or '0')
+  if cur < allowance then
+    redis.call('SET', fk, allowance, 'PX', to_end + 60000)
+  end
+end
+
+-- Raises an agent's epoch fence to at least `epoch`. Fences expire after
+-- FENCE_KEEP_MS: no lease outlives its window (at most a day), so a fence
+-- older than that guards nothing, and fences of agents that are gone
+-- would otherwise stay forever (F04).
+local FENCE_KEEP_MS = 2 * 86400 * 1000
+local function raise_fence(P, agent, epoch)
+  local f = P .. 'fence:' .. agent
+  local cur = tonumber(redis.call('GET', f) or '0')
+  if cur < epoch then
+    redis.call('SET', f, epoch, 'PX', FENCE_KEEP_MS)
+    return epoch
+  end
+  redis.call('PEXPIRE', f, FENCE_KEEP_MS)
+  return cur
+end
+
+-- Strands everything a rolled-back state holds: live leases are finished
+-- without a release (their `spent` may be older than what was really
+-- spent, so neither spending nor releasing their balance is safe), and
+-- unreported counters are dropped (they may have been cut and reported
+-- after the snapshot was taken; reporting them again would count admits
+-- twice, while dropping them can only under-count). Outbox entries stay:
+-- report ids and lease releases are idempotent at the allocator.
+local function strand(P)
+  for _, id in ipairs(redis.call('ZRANGE', P .. 'idx', 0, -1)) do
+    finish(P, id)
+  end
+  for _, ws in ipairs(redis.call('SMEMBERS', P .. 'dirty')) do
+    redis.call('DEL', P .. 'cons:' .. ws, P .. 'fbr:' .. ws)
+  end
+  redis.call('DEL', P .. 'dirty', P .. 'exh')
+end
+
+-- Checks the quota's incarnation key against the token the agent knows,
+-- and the server stamp against the one the quota last ran under.
 -- known = '' : first touch by this process, a missing key is a new quota;
 -- known = '?': first touch on a region found empty at start, a missing key
 --              may be data loss; any other value: the token seen before.
 -- A missing key is re-created with `fresh`. On (possible) loss the current
 -- window's fallback is marked spent (I6 across Redis data loss) and, on a
--- certain loss, the agent's fence is raised above its epoch so its in-flight
--- grants are never credited (it registers a new epoch). Returns the token in force and a loss flag: 0 none, 1 possible
--- (first touch of an empty region), 2 certain (the agent re-registers).
-local function incarnation(P, known, fresh, fb_ws, allowance, agent, epoch, ttl)
+-- certain loss, the agent's fence is raised above its epoch so its
+-- in-flight grants are never credited (it registers a new epoch). On a
+-- rollback (stamp changed while the keys survived) the state is stranded
+-- first and a fresh token installed, so every replica sees a changed
+-- incarnation before it decides anything. Returns the token in force and a
+-- loss flag: 0 none, 1 possible (first touch of an empty region), 2
+-- certain (the agent re-registers), 3 rollback (certain, state stranded).
+local function incarnation(P, known, fresh, W, allowance, agent, epoch)
+  local stamp = server_stamp()
   local inc = redis.call('GET', P .. 'inc')
+  local srv = redis.call('GET', P .. 'srv')
+  if inc and srv and srv ~= stamp then
+    strand(P)
+    spend_fallback(P, W, allowance)
+    redis.call('SET', P .. 'inc', fresh)
+    redis.call('SET', P .. 'srv', stamp)
+    if agent ~= '' then raise_fence(P, agent, epoch + 1) end
+    return fresh, 3
+  end
+  if inc and not srv then
+    -- Written by an agent before stamps existed: adopt the server's.
+    redis.call('SET', P .. 'srv', stamp)
+  end
   if inc and (known == '' or known == '?' or known == inc) then
     return inc, 0
   end
@@ -101,19 +195,22 @@ local function incarnation(P, known, fresh, fb_ws, allowance, agent, epoch, ttl)
     return inc, 2
   end
   redis.call('SET', P .. 'inc', fresh)
+  redis.call('SET', P .. 'srv', stamp)
   if known == '' then
     return fresh, 0
   end
-  local fk = P .. 'fb:' .. fb_ws
-  local cur = tonumber(redis.call('GET', fk) or '0')
-  if cur < allowance then
-    redis.call('SET', fk, allowance, 'PX', ttl)
-  end
+  spend_fallback(P, W, allowance)
   if known ~= '?' and agent ~= '' then
-    local f = P .. 'fence:' .. agent
-    local cur_fence = tonumber(redis.call('GET', f) or '0')
-    if cur_fence < epoch + 1 then redis.call('SET', f, epoch + 1) end
+    raise_fence(P, agent, epoch + 1)
   end
   if known == '?' then return fresh, 1 end
   return fresh, 2
+end
+
+-- Whether the quota's state may be used by a script that does not decide
+-- (credit, cut): the server stamp is the one the quota last ran under.
+-- A mismatch is handled (stranded) by the next spend or view run.
+local function same_server(P)
+  local srv = redis.call('GET', P .. 'srv')
+  return srv == false or srv == server_stamp()
 end

@@ -8,7 +8,8 @@
 -- ARGV[3]  fresh token to install when the incarnation key is missing
 -- ARGV[4]  request id ttl (ms)
 -- ARGV[5]  '1' when fallback may be used (allocator unreachable, bounded)
--- ARGV[6]  fallback window start (Unix s, the agent's UTC clock)
+-- ARGV[6]  window length W (s); the fallback window is taken from the
+--          region's one clock (see fallback_window in the prelude)
 -- ARGV[7]  fallback allowance per window for the region
 -- ARGV[8]  ttl of counters (ms)
 -- ARGV[9]  agent id, ARGV[10] agent epoch (0 when not registered yet)
@@ -20,7 +21,8 @@
 --   boundary and its leases strand tokens)
 --
 -- Returns {'lost', token, flag} for all the requests when the incarnation
--- changed or is missing (see prelude), else {'ok', token, d1, d2, ...} with
+-- changed or is missing or the server's history changed (rollback, see
+-- prelude), else {'ok', token, d1, d2, ...} with
 -- one decision per request:
 --   {'dup', 'src:ws:rem'}      request id seen: the first decision
 --   {'lease', ws, remaining}
@@ -37,9 +39,9 @@
 -- it, exactly as if the requests had come in separate runs.
 local P = ARGV[1]
 local ttl = tonumber(ARGV[8])
-local fws = ARGV[6]
+local W = tonumber(ARGV[6])
 local allowance = tonumber(ARGV[7])
-local token, lost = incarnation(P, ARGV[2], ARGV[3], fws, allowance, ARGV[9], tonumber(ARGV[10]), ttl)
+local token, lost = incarnation(P, ARGV[2], ARGV[3], W, allowance, ARGV[9], tonumber(ARGV[10]))
 if lost > 0 then
   return {'lost', token, lost}
 end
@@ -51,6 +53,8 @@ local ws, avail, cand, rem, _, _, _, wait = scan(P)
 local first, took = 1, {}
 for i = 1, #cand do took[i] = 0 end
 local demand, consumed, fb_used, fb_taken, exh = 0, 0, false, 0, false
+-- The fallback window and the time to its end, read once when needed.
+local fws, fb_end = false, 0
 local out = {'ok', token}
 for at = 11, #ARGV - 2, 3 do
   local cost = tonumber(ARGV[at])
@@ -79,7 +83,10 @@ for at = 11, #ARGV - 2, 3 do
     else
       local admitted = false
       if ARGV[5] == '1' then
-        if not fb_used then fb_used = tonumber(redis.call('GET', P .. 'fb:' .. fws) or '0') end
+        if not fb_used then
+          fws, fb_end = fallback_window(P, W)
+          fb_used = tonumber(redis.call('GET', P .. 'fb:' .. fws) or '0')
+        end
         if fb_used + cost <= allowance then
           fb_used = fb_used + cost
           fb_taken = fb_taken + cost
@@ -108,12 +115,16 @@ if consumed > 0 then
   redis.call('INCRBY', P .. 'cons:' .. ws, consumed)
   redis.call('PEXPIRE', P .. 'cons:' .. ws, ttl)
   redis.call('SADD', P .. 'dirty', ws)
+  redis.call('PEXPIRE', P .. 'dirty', ttl)
 end
 if fb_taken > 0 then
+  -- The allowance counter matters only until its window ends; the
+  -- report counter (fbr) waits for the outbox as long as the others.
   redis.call('INCRBY', P .. 'fb:' .. fws, fb_taken)
-  redis.call('PEXPIRE', P .. 'fb:' .. fws, ttl)
+  redis.call('PEXPIRE', P .. 'fb:' .. fws, fb_end + 60000)
   redis.call('INCRBY', P .. 'fbr:' .. fws, fb_taken)
   redis.call('PEXPIRE', P .. 'fbr:' .. fws, ttl)
   redis.call('SADD', P .. 'dirty', fws)
+  redis.call('PEXPIRE', P .. 'dirty', ttl)
 end
 return out

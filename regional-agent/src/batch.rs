@@ -15,6 +15,7 @@ use crate::quotas::Quota;
 use crate::spend::Admit;
 use crate::store::{Reply, StoreError, SPEND};
 use crate::AppState;
+use redis::ScriptInvocation;
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Duration;
@@ -30,8 +31,9 @@ pub const MAX_QUEUED: usize = 1024;
 pub struct Common {
     /// Whether the region's fallback allowance may be used.
     pub fallback: bool,
-    /// Fallback window start (Unix s).
-    pub fb_ws: i64,
+    /// The quota's window length (s): the script takes the fallback window
+    /// from the region's one clock (I8), not from this agent's.
+    pub window_secs: i64,
     /// Fallback allowance per window.
     pub allowance: i64,
     /// How long a request id is remembered (ms).
@@ -52,10 +54,10 @@ pub struct Ask {
 #[derive(Debug, Clone, PartialEq)]
 pub enum Spend {
     Admit(Admit),
-    /// The quota's Redis state changed incarnation (see `lua/prelude.lua`).
-    Lost {
-        certain: bool,
-    },
+    /// The quota's Redis state changed incarnation or went back in time
+    /// (see `lua/prelude.lua`); the run already noted it
+    /// ([`crate::quotas::note_loss`]).
+    Lost,
     None {
         wait_ms: i64,
         exhausted_ms: i64,
@@ -176,24 +178,40 @@ async fn drain(app: AppState, q: Arc<Quota>) {
     }
 }
 
-/// One run of the spend script for `asks`, in order.
-async fn run(app: &AppState, q: &Quota, common: Common, asks: &[Ask]) -> Result<Vec<Spend>, StoreError> {
-    let fresh = uuid::Uuid::new_v4().simple().to_string();
+/// The one place that knows `lua/spend.lua`'s KEYS and ARGV order (the
+/// bench calls it too): an invocation deciding `asks` in order.
+pub fn spend_invocation(
+    prefix: &str,
+    token: &str,
+    fresh: &str,
+    common: Common,
+    agent: &str,
+    epoch: i64,
+    asks: &[Ask],
+) -> ScriptInvocation<'static> {
     let mut inv = SPEND.prepare_invoke();
-    inv.key(format!("{}inc", q.prefix))
-        .arg(&q.prefix)
-        .arg(q.token())
-        .arg(&fresh)
+    inv.key(format!("{prefix}inc"))
+        .arg(prefix)
+        .arg(token)
+        .arg(fresh)
         .arg(common.rid_ttl_ms)
         .arg(if common.fallback { "1" } else { "0" })
-        .arg(common.fb_ws)
+        .arg(common.window_secs)
         .arg(common.allowance)
         .arg(crate::spend::COUNTER_TTL_MS)
-        .arg(&app.settings.agent)
-        .arg(app.ident.epoch());
+        .arg(agent)
+        .arg(epoch);
     for a in asks {
         inv.arg(a.cost).arg(&a.rid).arg(if a.count_demand { "1" } else { "0" });
     }
+    inv
+}
+
+/// One run of the spend script for `asks`, in order.
+async fn run(app: &AppState, q: &Quota, common: Common, asks: &[Ask]) -> Result<Vec<Spend>, StoreError> {
+    let fresh = uuid::Uuid::new_v4().simple().to_string();
+    let inv =
+        spend_invocation(&q.prefix, &q.token(), &fresh, common, &app.settings.agent, app.ident.epoch(), asks);
     app.metrics.inc("agent_spend_runs_total", &[]);
     let r: Reply = app.store.eval(&inv).await?;
     let token = r.str(1);
@@ -205,8 +223,9 @@ async fn run(app: &AppState, q: &Quota, common: Common, asks: &[Ask]) -> Result<
     }
     match r.str(0).as_str() {
         "lost" => {
-            let certain = r.int(2) == 2;
-            Ok(asks.iter().map(|_| Spend::Lost { certain }).collect())
+            let flag = r.int(2);
+            crate::quotas::note_loss(app, q, flag);
+            Ok(asks.iter().map(|_| Spend::Lost).collect())
         }
         "ok" => (0..asks.len()).map(|i| decision(&r.nested(2 + i))).collect(),
         other => Err(StoreError::Protocol(other.to_string())),

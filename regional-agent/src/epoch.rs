@@ -81,9 +81,10 @@ pub async fn run(app: AppState) {
     }
 }
 
-/// Raises this agent's fence to `epoch` in every known quota.
+/// Raises this agent's fence to `epoch` in every known quota (a quota still
+/// learning its policy has no lease to fence and may not exist: no key).
 pub async fn fence_all(app: &AppState, epoch: i64) {
-    for q in app.quotas.all() {
+    for q in app.quotas.all().into_iter().filter(|q| q.policy().is_some()) {
         let mut inv = FENCE.prepare_invoke();
         inv.key(format!("{}inc", q.prefix)).arg(&q.prefix).arg(&app.settings.agent).arg(epoch);
         if let Err(e) = app.store.eval::<i64>(&inv).await {

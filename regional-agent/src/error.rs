@@ -37,8 +37,9 @@ pub enum Error {
     /// Redis cannot be reached.
     #[error("the region's store is unavailable")]
     StoreUnavailable,
-    /// The agent tracks as many quotas as it may.
-    #[error("this agent tracks the most quotas it may")]
+    /// Too many new quota names are learning their policy at once (each
+    /// is one grant away from knowing; see `quotas::MAX_LEARNING`).
+    #[error("this agent is learning the policies of too many new quota names at once; retry")]
     TooManyQuotas,
     /// No such route.
     #[error("no route {0}")]

@@ -78,6 +78,17 @@ pub fn describe(m: &Registry) {
     m.describe("agent_fallback_admits_total", "counter", "Admits from the fallback allowance");
     m.describe("agent_renewals_total", "counter", "Grant requests by result");
     m.describe("agent_outbox_depth", "gauge", "Outbox entries waiting for the allocator");
+    m.describe("agent_quotas", "gauge", "Quotas this agent holds (idle ones leave after 5 minutes)");
+    m.describe(
+        "agent_unknown_quota_names",
+        "gauge",
+        "Quota names in the negative cache (the allocator answered 404; kept 5 s, at most 4096)",
+    );
+    m.describe(
+        "agent_redis_rollbacks_total",
+        "counter",
+        "Quota states found rolled back (Redis restarted, restored from a snapshot, failed over or evicted) and stranded",
+    );
     m.describe("agent_outbox_sent_total", "counter", "Outbox entries the allocator accepted");
     m.describe("agent_outbox_dropped_total", "counter", "Outbox entries the allocator refused for good");
     m.describe("agent_epoch", "gauge", "The agent's current epoch");
@@ -113,6 +124,8 @@ pub(crate) async fn readyz(State(app): State<AppState>) -> impl IntoResponse {
 )]
 pub(crate) async fn metrics(State(app): State<AppState>) -> impl IntoResponse {
     app.metrics.set("agent_allocator_reachable", &[], if app.allocator_reachable() { 1.0 } else { 0.0 });
+    app.metrics.set("agent_quotas", &[], app.quotas.len() as f64);
+    app.metrics.set("agent_unknown_quota_names", &[], app.unknown.len() as f64);
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], app.metrics.render())
 }
 

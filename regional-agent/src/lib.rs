@@ -107,6 +107,11 @@ pub struct App {
     pub region_fresh: AtomicBool,
     /// The opt-in local allowance while Redis is down.
     pub local: fallback::LocalFallback,
+    /// Quota names the allocator recently answered 404 for.
+    pub unknown: quotas::Unknown,
+    /// The allocator's clock as its last grant answer showed it, and the
+    /// monotonic instant that answer arrived (see [`App::allocator_now`]).
+    alloc_time: Mutex<Option<(chrono::DateTime<chrono::Utc>, std::time::Instant)>>,
     /// Stops the background tasks.
     pub cancel: CancellationToken,
     tasks: Mutex<Vec<JoinHandle<()>>>,
@@ -144,6 +149,8 @@ impl App {
             clock,
             region_fresh: AtomicBool::new(false),
             local: fallback::LocalFallback::default(),
+            unknown: quotas::Unknown::default(),
+            alloc_time: Mutex::new(None),
             cancel: CancellationToken::new(),
             tasks: Mutex::new(Vec::new()),
         }))
@@ -154,8 +161,28 @@ impl App {
         self.alloc.breaker.reachable()
     }
 
-    /// The quota, created (with its renewer) on first use; `None` when the
-    /// agent tracks [`quotas::MAX_QUOTAS`] already.
+    /// Records the allocator's clock read off a grant answer (`at` is the
+    /// allocator's instant when it answered, `arrived` when the answer came).
+    pub fn observe_allocator_time(&self, at: chrono::DateTime<chrono::Utc>, arrived: std::time::Instant) {
+        *self.alloc_time.lock().unwrap() = Some((at, arrived));
+    }
+
+    /// The allocator's clock now, extrapolated with the monotonic clock from
+    /// its last answer (I8: window decisions of this agent's own, such as the
+    /// local store fallback, follow the allocator, not this host's wall
+    /// clock); this host's clock only before the first answer.
+    pub fn allocator_now(&self) -> chrono::DateTime<chrono::Utc> {
+        match *self.alloc_time.lock().unwrap() {
+            Some((at, arrived)) => {
+                at + chrono::Duration::from_std(arrived.elapsed())
+                    .unwrap_or_else(|_| chrono::Duration::zero())
+            }
+            None => self.clock.now_utc(),
+        }
+    }
+
+    /// The quota, created (with its renewer) on first use; `None` when
+    /// [`quotas::MAX_LEARNING`] quotas are still learning their policy.
     pub fn quota(self: &Arc<Self>, tenant: &str, resource: &str) -> Option<Arc<Quota>> {
         let first = if self.region_fresh.load(Ordering::SeqCst) { "?" } else { "" };
         let (q, created) =

@@ -73,6 +73,11 @@ pub async fn drain_all(app: &AppState) -> i64 {
     }
     left += drain_local(app, epoch).await;
     app.metrics.set("agent_outbox_depth", &[], left as f64);
+    // The agent's quota set lives as long as the agent does, plus the
+    // counters' ttl: a set of an agent id that never comes back expires (F04).
+    let set = app.keys.agent_quotas(&app.settings.region, &app.settings.agent);
+    let _: Result<i64, _> =
+        app.store.cmd(redis::cmd("PEXPIRE").arg(set).arg(crate::spend::COUNTER_TTL_MS)).await;
     left
 }
 

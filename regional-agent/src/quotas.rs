@@ -1,10 +1,20 @@
 //! What the agent knows about each quota: the policy learnt from grant
 //! answers (also cached in Redis for the other replicas and for restarts
 //! during a partition), the incarnation token of the quota's Redis state,
-//! measured demand and the renewer's last view. The map is bounded by
-//! [`MAX_QUOTAS`]; a quota beyond it is refused rather than growing memory.
+//! measured demand and the renewer's last view.
+//!
+//! Bounds (F14): a quota whose policy is known stays while it is used and
+//! leaves the map (and the agent's quota set in Redis) once it has been
+//! idle for [`IDLE_EVICT`] with nothing left to report and no live lease,
+//! so the map follows the quotas in use, without a fixed cap that could
+//! lock a real quota out. A quota still learning its policy (one grant
+//! away from knowing whether it exists) counts against [`MAX_LEARNING`];
+//! a 404 from the allocator removes it at once and remembers the name in
+//! the [`Unknown`] negative cache, so unknown names leave no Redis key, no
+//! registry entry and no task behind.
 
 use crate::batch::SpendQueue;
+use crate::AppState;
 use quota_shared::wire::{FailMode, GrantRequest, GrantResponse};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -12,8 +22,17 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 use tokio::sync::Notify;
 
-/// Most quotas one agent tracks.
-pub const MAX_QUOTAS: usize = 4096;
+/// Most quotas one agent holds while they learn their policy (each is one
+/// grant away from knowing); beyond it a new name answers 503 for the
+/// moment instead of growing memory.
+pub const MAX_LEARNING: usize = 1024;
+/// A quota unused this long, with an empty outbox and no live lease, leaves
+/// the agent's registry.
+pub const IDLE_EVICT: std::time::Duration = std::time::Duration::from_secs(300);
+/// How long a 404 from the allocator is remembered for a quota name.
+pub const UNKNOWN_TTL: std::time::Duration = std::time::Duration::from_secs(5);
+/// Most names the negative cache holds.
+pub const MAX_UNKNOWN: usize = 4096;
 
 /// A quota's policy as the grant answers show it.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -191,7 +210,8 @@ pub struct Quotas {
 }
 
 impl Quotas {
-    /// The quota, and whether it was created now; `None` when the map is full.
+    /// The quota, and whether it was created now; `None` when
+    /// [`MAX_LEARNING`] quotas are still learning their policy.
     pub fn get_or_create(
         &self,
         tenant: &str,
@@ -203,7 +223,7 @@ impl Quotas {
         if let Some(q) = m.get(&(tenant.to_string(), resource.to_string())) {
             return Some((q.clone(), false));
         }
-        if m.len() >= MAX_QUOTAS {
+        if m.len() >= MAX_LEARNING && m.values().filter(|q| q.policy().is_none()).count() >= MAX_LEARNING {
             return None;
         }
         let q = Arc::new(Quota {
@@ -226,11 +246,101 @@ impl Quotas {
         Some((q, true))
     }
 
+    /// Removes `q` if it is still the registered object of its name.
+    pub fn remove(&self, q: &Arc<Quota>) -> bool {
+        let mut m = self.map.lock().unwrap();
+        let key = (q.tenant.clone(), q.resource.clone());
+        if m.get(&key).is_some_and(|cur| Arc::ptr_eq(cur, q)) {
+            m.remove(&key);
+            return true;
+        }
+        false
+    }
+
+    /// Whether `q` is the registered object of its name (its renewer stops
+    /// once it is not).
+    pub fn holds(&self, q: &Arc<Quota>) -> bool {
+        self.map
+            .lock()
+            .unwrap()
+            .get(&(q.tenant.clone(), q.resource.clone()))
+            .is_some_and(|cur| Arc::ptr_eq(cur, q))
+    }
+
+    /// How many quotas the agent holds.
+    pub fn len(&self) -> usize {
+        self.map.lock().unwrap().len()
+    }
+
+    /// Whether the agent holds no quota.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
     /// Every quota.
     pub fn all(&self) -> Vec<Arc<Quota>> {
         let mut v: Vec<_> = self.map.lock().unwrap().values().cloned().collect();
         v.sort_by(|a, b| (&a.tenant, &a.resource).cmp(&(&b.tenant, &b.resource)));
         v
+    }
+}
+
+/// The negative cache of quota names the allocator answered 404 for:
+/// at most [`MAX_UNKNOWN`] names, each for [`UNKNOWN_TTL`].
+#[derive(Default)]
+pub struct Unknown {
+    map: Mutex<HashMap<(String, String), Instant>>,
+}
+
+impl Unknown {
+    /// Whether the name was answered 404 within the last [`UNKNOWN_TTL`].
+    pub fn contains(&self, tenant: &str, resource: &str) -> bool {
+        let m = self.map.lock().unwrap();
+        m.get(&(tenant.to_string(), resource.to_string())).is_some_and(|until| Instant::now() < *until)
+    }
+
+    /// Remembers a 404. When full, expired names go first, then (a flood of
+    /// fresh names) everything: forgetting only costs one more grant call.
+    pub fn insert(&self, tenant: &str, resource: &str) {
+        let now = Instant::now();
+        let mut m = self.map.lock().unwrap();
+        if m.len() >= MAX_UNKNOWN {
+            m.retain(|_, until| now < *until);
+            if m.len() >= MAX_UNKNOWN {
+                m.clear();
+            }
+        }
+        m.insert((tenant.to_string(), resource.to_string()), now + UNKNOWN_TTL);
+    }
+
+    /// How many names are cached.
+    pub fn len(&self) -> usize {
+        self.map.lock().unwrap().len()
+    }
+
+    /// Whether no name is cached.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// What a script's loss flag (see `lua/prelude.lua`) means for the agent:
+/// 2 (certain loss) and 3 (rollback: the server's history changed and the
+/// state was stranded) take a new epoch.
+pub fn note_loss(app: &AppState, q: &Quota, flag: i64) {
+    match flag {
+        3 => {
+            app.metrics.inc("agent_redis_rollbacks_total", &[]);
+            tracing::warn!(tenant = %q.tenant, resource = %q.resource,
+                "the region's Redis went back in time (restart, restored snapshot, failover or eviction): \
+                 live balances stranded, the window's fallback counted as spent; re-registering");
+            app.ident.request_register();
+        }
+        2 => {
+            tracing::warn!(tenant = %q.tenant, resource = %q.resource, "Redis state of the quota was lost; re-registering");
+            app.ident.request_register();
+        }
+        _ => {}
     }
 }
 
@@ -263,6 +373,17 @@ mod tests {
             d.sample((i * 20 / 50) as i64, t0 + Duration::from_millis(i * 20));
         }
         assert!((d.rate - 20.0).abs() < 3.0, "{}", d.rate);
+    }
+
+    #[test]
+    fn the_negative_cache_stays_bounded_and_forgets() {
+        let u = Unknown::default();
+        for i in 0..(MAX_UNKNOWN + 10) {
+            u.insert("t", &format!("r{i}"));
+        }
+        assert!(u.len() <= MAX_UNKNOWN, "{}", u.len());
+        assert!(u.contains("t", &format!("r{}", MAX_UNKNOWN + 9)));
+        assert!(!u.contains("t", "never"));
     }
 
     #[test]

@@ -14,7 +14,7 @@
 
 use crate::breaker::backoff;
 use crate::client::CallError;
-use crate::quotas::{PolicyInfo, Quota, View};
+use crate::quotas::{PolicyInfo, Quota, View, IDLE_EVICT};
 use crate::spend::COUNTER_TTL_MS;
 use crate::store::{Reply, StoreError, CREDIT, UNLOCK, VIEW};
 use crate::AppState;
@@ -45,22 +45,28 @@ pub async fn load_policy(app: &AppState, q: &Quota) -> Option<PolicyInfo> {
     *cur
 }
 
-/// The renew task of one quota.
+/// The renew task of one quota; it ends when the quota leaves the registry
+/// (idle, or unknown to the allocator).
 pub async fn run(app: AppState, q: Arc<Quota>) {
     let registry = app.keys.agent_quotas(&app.settings.region, &app.settings.agent);
     let member = format!("{}/{}", q.tenant, q.resource);
     let mut registered = false;
-    loop {
-        if !registered {
+    while app.quotas.holds(&q) {
+        // Only a quota that exists goes into the agent's quota set (which a
+        // restart reloads): a name the allocator does not know leaves nothing.
+        if !registered && q.policy().is_some() {
             registered = app.store.cmd::<i64>(redis::cmd("SADD").arg(&registry).arg(&member)).await.is_ok();
         }
         if let Err(e) = renew_once(&app, &q).await {
             tracing::debug!(tenant = %q.tenant, resource = %q.resource, error = %e, "renewal round failed");
         }
-        let idle = q.last_used.lock().unwrap().elapsed() > IDLE_AFTER;
+        let idle_for = q.last_used.lock().unwrap().elapsed();
+        if idle_for > IDLE_EVICT && retire_if_idle(&app, &q, &registry, &member).await {
+            return;
+        }
         let tick = if q.waiting.load(Ordering::SeqCst) {
             Duration::from_millis(10)
-        } else if idle {
+        } else if idle_for > IDLE_AFTER {
             Duration::from_secs(1)
         } else {
             Duration::from_millis(50)
@@ -73,19 +79,39 @@ pub async fn run(app: AppState, q: Arc<Quota>) {
     }
 }
 
+/// Takes an idle quota out of the registry when nothing of it is left for
+/// this agent to do: no live or pending lease in the region's balance and
+/// an empty outbox (counts not yet cut would be cut into it first).
+async fn retire_if_idle(app: &AppState, q: &Arc<Quota>, registry: &str, member: &str) -> bool {
+    let v = *q.view.lock().unwrap();
+    if v.available > 0 || v.pending > 0 {
+        return false;
+    }
+    let ob = format!("{}ob:{}", q.prefix, app.settings.agent);
+    let outbox: Result<i64, _> = app.store.cmd(redis::cmd("LLEN").arg(&ob)).await;
+    let uncut: Result<i64, _> = app.store.cmd(redis::cmd("SCARD").arg(format!("{}dirty", q.prefix))).await;
+    if !matches!((outbox, uncut), (Ok(0), Ok(0))) {
+        return false;
+    }
+    if !app.quotas.remove(q) {
+        return true;
+    }
+    let _: Result<i64, _> = app.store.cmd(redis::cmd("SREM").arg(registry).arg(member)).await;
+    tracing::info!(tenant = %q.tenant, resource = %q.resource, "idle quota left the registry");
+    true
+}
+
 /// Runs the view script: sweeps expired leases, reads balance and demand;
 /// tokens count as lasting in leases with at least `lasting_ms` to live.
 async fn view(app: &AppState, q: &Quota, lasting_ms: i64) -> Result<Option<(View, i64)>, StoreError> {
-    let p = q.policy();
-    let now = app.clock.now_utc();
-    let (fb_ws, allowance) =
-        p.map(|p| (Window::containing(now, p.window_secs).start, p.fallback_allowance)).unwrap_or((0, 0));
+    let (window_secs, allowance) =
+        q.policy().map(|p| (p.window_secs, p.fallback_allowance)).unwrap_or((1, 0));
     let mut inv = VIEW.prepare_invoke();
     inv.key(format!("{}inc", q.prefix))
         .arg(&q.prefix)
         .arg(q.token())
         .arg(uuid::Uuid::new_v4().simple().to_string())
-        .arg(fb_ws)
+        .arg(window_secs)
         .arg(allowance)
         .arg(&app.settings.agent)
         .arg(app.ident.epoch())
@@ -97,10 +123,7 @@ async fn view(app: &AppState, q: &Quota, lasting_ms: i64) -> Result<Option<(View
         *q.token.lock().unwrap() = token;
     }
     if r.str(0) == "lost" {
-        if r.int(2) == 2 {
-            tracing::warn!(tenant = %q.tenant, resource = %q.resource, "Redis state of the quota was lost; re-registering");
-            app.ident.request_register();
-        }
+        crate::quotas::note_loss(app, q, r.int(2));
         return Ok(None);
     }
     let v = View {
@@ -121,6 +144,9 @@ fn horizon_ms(app: &AppState, q: &Quota) -> f64 {
 }
 
 async fn renew_once(app: &AppState, q: &Arc<Quota>) -> Result<(), StoreError> {
+    if q.policy().is_none() {
+        return learn(app, q).await;
+    }
     let horizon_ms = horizon_ms(app, q);
     // A lease that ends with its window lasts as long as it needs to; the
     // next window's lease is the prefetch's business.
@@ -171,13 +197,7 @@ async fn renew_once(app: &AppState, q: &Arc<Quota>) -> Result<(), StoreError> {
         }
         return Ok(());
     }
-    let Some(p) = q.policy() else {
-        // Learning the policy: one grant for the current window.
-        let want = rate.ceil().max(1.0) as i64;
-        with_lock(app, q, |app, q| async move { grant(&app, &q, WindowSel::Current, want, rate).await })
-            .await?;
-        return Ok(());
-    };
+    let Some(p) = q.policy() else { return Ok(()) };
     let now = app.clock.now_utc();
     let win = Window::containing(now, p.window_secs);
     let to_end_ms = win.ms_until_end(now);
@@ -223,6 +243,29 @@ async fn renew_once(app: &AppState, q: &Arc<Quota>) -> Result<(), StoreError> {
         }
     })
     .await?;
+    Ok(())
+}
+
+/// A quota whose policy is not known yet: nothing is read or written in
+/// Redis for it (the name may not exist); when a request waits, one grant
+/// for the current window tells whether it exists and teaches the policy
+/// (404: the quota leaves the registry, see [`grant`]). Replicas learning
+/// together each ask for one token: no lock, so no key for a name that
+/// may not exist.
+async fn learn(app: &AppState, q: &Arc<Quota>) -> Result<(), StoreError> {
+    if !q.waiting.load(Ordering::SeqCst) {
+        return Ok(());
+    }
+    if app.ident.epoch() == 0 {
+        let n = app.ident.registered.notified();
+        let _ = tokio::time::timeout(app.settings.allocator_timeout, n).await;
+    }
+    let blocked = q.renew.lock().unwrap().not_before.is_some_and(|t| Instant::now() < t);
+    if app.ident.epoch() == 0 || blocked || !app.alloc.breaker.allow() {
+        q.renewed.notify_waiters();
+        return Ok(());
+    }
+    grant(app, q, WindowSel::Current, 1, 0.0).await;
     Ok(())
 }
 
@@ -293,7 +336,13 @@ async fn grant(app: &AppState, q: &Arc<Quota>, sel: WindowSel, want: i64, rate: 
             credit(app, q, sel, &g, sent, arrived).await
         }
         Err(CallError::Refused { status: 404, .. }) => {
-            *q.unknown_until.lock().unwrap() = Some(Instant::now() + Duration::from_secs(2));
+            if q.policy().is_none() {
+                // Never known: forget it entirely (F14).
+                app.unknown.insert(&q.tenant, &q.resource);
+                app.quotas.remove(q);
+            } else {
+                *q.unknown_until.lock().unwrap() = Some(Instant::now() + Duration::from_secs(2));
+            }
             "unknown_quota"
         }
         Err(e) if e.code() == Some("stale_epoch") => {
@@ -376,13 +425,26 @@ async fn credit(
         return "empty";
     }
     let life_ms = g.expires_in_ms - sent.elapsed().as_millis() as i64 - SAFETY_MS;
+    // The allocator's instant when it answered, read off the answer itself.
+    let alloc_at = g.expires_at - chrono::Duration::milliseconds(g.expires_in_ms);
+    app.observe_allocator_time(alloc_at, arrived);
+    let alloc_now_ms = alloc_at.timestamp_millis() + arrived.elapsed().as_millis() as i64;
     let nb_ms = if sel == WindowSel::Next {
-        let alloc_now = g.expires_at - chrono::Duration::milliseconds(g.expires_in_ms);
-        let opens_in = (g.window_start - alloc_now).num_milliseconds() + 2;
+        let opens_in = (g.window_start - alloc_at).num_milliseconds() + 2;
         (opens_in - arrived.elapsed().as_millis() as i64).max(0)
     } else {
         0
     };
+    if matches!(q.token().as_str(), "" | "?") {
+        // The first grant of a quota learning its policy: the quota exists,
+        // so its Redis state may now be set up (the view adopts or installs
+        // the incarnation) before the lease is credited under it.
+        if let Err(e) = view(app, q, 0).await {
+            tracing::warn!(tenant = %q.tenant, resource = %q.resource, lease_id = %g.lease_id, error = %e,
+                "cannot credit lease; its tokens are stranded");
+            return "store_unavailable";
+        }
+    }
     let mut inv = CREDIT.prepare_invoke();
     inv.key(format!("{}inc", q.prefix))
         .arg(&q.prefix)
@@ -394,7 +456,8 @@ async fn credit(
         .arg(g.window_start.timestamp())
         .arg(life_ms)
         .arg(nb_ms)
-        .arg(life_ms.max(0) + nb_ms + COUNTER_TTL_MS);
+        .arg(life_ms.max(0) + nb_ms + COUNTER_TTL_MS)
+        .arg(alloc_now_ms);
     match app.store.eval::<Reply>(&inv).await {
         Ok(r) => match r.str(0).as_str() {
             "ok" => {

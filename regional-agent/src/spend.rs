@@ -190,6 +190,9 @@ async fn wait_renewal(q: &Quota, d: Duration) {
 
 /// Makes the decision for a valid request.
 async fn decide(app: &AppState, req: &AcquireRequest, policy_out: &mut Option<PolicyInfo>) -> Result<Admit> {
+    if app.unknown.contains(&req.tenant, &req.resource) {
+        return Err(Error::UnknownQuota(format!("{}/{}", req.tenant, req.resource)));
+    }
     let q = app.quota(&req.tenant, &req.resource).ok_or(Error::TooManyQuotas)?;
     *q.last_used.lock().unwrap() = Instant::now();
     if q.unknown() {
@@ -206,7 +209,11 @@ async fn decide(app: &AppState, req: &AcquireRequest, policy_out: &mut Option<Po
         let learn =
             app.settings.acquire_wait.max(app.settings.allocator_timeout + Duration::from_millis(300));
         let deadline = Instant::now() + learn;
-        while q.policy().is_none() && !q.unknown() && Instant::now() < deadline {
+        while q.policy().is_none()
+            && !q.unknown()
+            && !app.unknown.contains(&req.tenant, &req.resource)
+            && Instant::now() < deadline
+        {
             wait_renewal(&q, deadline.saturating_duration_since(Instant::now())).await;
             if !app.allocator_reachable() {
                 break;
@@ -214,7 +221,7 @@ async fn decide(app: &AppState, req: &AcquireRequest, policy_out: &mut Option<Po
         }
         policy = q.policy();
     }
-    if q.unknown() {
+    if q.unknown() || app.unknown.contains(&req.tenant, &req.resource) {
         return Err(Error::UnknownQuota(format!("{}/{}", req.tenant, req.resource)));
     }
     let Some(p) = policy else {
@@ -239,12 +246,10 @@ async fn decide(app: &AppState, req: &AcquireRequest, policy_out: &mut Option<Po
         };
         match r {
             Spend::Admit(a) => return Ok(a),
-            Spend::Lost { certain } => {
-                if certain {
-                    tracing::warn!(tenant = %req.tenant, resource = %req.resource, "Redis state of the quota was lost; re-registering");
-                    app.ident.request_register();
-                }
-            }
+            // The script has stranded what it could not trust and the
+            // batch noted the loss (re-registering); decide again on the
+            // fresh incarnation.
+            Spend::Lost => {}
             Spend::None { wait_ms, exhausted_ms } => {
                 counted = true;
                 if (0..=MAX_OPEN_WAIT_MS).contains(&wait_ms) {
@@ -282,7 +287,7 @@ fn local_fallback(app: &AppState, req: &AcquireRequest, p: PolicyInfo) -> Result
     if n == 0 {
         return Err(Error::StoreUnavailable);
     }
-    let ws = Window::containing(app.clock.now_utc(), p.window_secs).start;
+    let ws = Window::containing(app.allocator_now(), p.window_secs).start;
     match app.local.try_admit(&req.tenant, &req.resource, ws, req.cost, n) {
         Some(remaining) => Ok(Admit { source: "fallback".into(), window_start: ws, remaining }),
         None => Err(Error::StoreUnavailable),
@@ -299,7 +304,7 @@ async fn spend_once(
 ) -> std::result::Result<Spend, crate::store::StoreError> {
     let common = Common {
         fallback,
-        fb_ws: Window::containing(app.clock.now_utc(), p.window_secs).start,
+        window_secs: p.window_secs,
         allowance: p.fallback_allowance,
         rid_ttl_ms: p.window_secs * 1000,
     };

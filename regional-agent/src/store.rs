@@ -13,7 +13,8 @@ use redis::{FromRedisValue, Script, ScriptInvocation, Value};
 use std::sync::LazyLock;
 use std::time::Duration;
 
-/// The prelude shared by the scanning scripts (see `lua/prelude.lua`).
+/// The prelude shared by the scripts (see `lua/prelude.lua`): lease scan,
+/// incarnation and rollback check, fences, the region's fallback clock.
 const PRELUDE: &str = include_str!("../lua/prelude.lua");
 
 /// `lua/spend.lua`: the admission decisions of a batch of requests on one quota (I5).
@@ -23,11 +24,14 @@ pub static SPEND: LazyLock<Script> =
 pub static VIEW: LazyLock<Script> =
     LazyLock::new(|| Script::new(&format!("{PRELUDE}\n{}", include_str!("../lua/view.lua"))));
 /// `lua/credit.lua`: credits a lease, idempotent by lease id, epoch-fenced.
-pub static CREDIT: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("../lua/credit.lua")));
+pub static CREDIT: LazyLock<Script> =
+    LazyLock::new(|| Script::new(&format!("{PRELUDE}\n{}", include_str!("../lua/credit.lua"))));
 /// `lua/cut.lua`: moves unreported counts into an outbox entry (I7).
-pub static CUT: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("../lua/cut.lua")));
+pub static CUT: LazyLock<Script> =
+    LazyLock::new(|| Script::new(&format!("{PRELUDE}\n{}", include_str!("../lua/cut.lua"))));
 /// `lua/fence.lua`: raises an agent's epoch fence in one quota (I4).
-pub static FENCE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("../lua/fence.lua")));
+pub static FENCE: LazyLock<Script> =
+    LazyLock::new(|| Script::new(&format!("{PRELUDE}\n{}", include_str!("../lua/fence.lua"))));
 /// `lua/unlock.lua`: releases the renew lock if still ours.
 pub static UNLOCK: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("../lua/unlock.lua")));
 

@@ -105,6 +105,23 @@ impl TestRedis {
         if let Some(mut c) = self.child.take() {
             c.stop(libc::SIGKILL, Duration::from_secs(5));
         }
+        if let Some(dir) = &self.dir {
+            let _ = std::fs::remove_file(dir.path().join("dump.rdb"));
+        }
+        let bin = procs::find_binary("redis-server", &[]).expect("redis-server");
+        self.spawn(&bin);
+    }
+
+    /// Kills the local server (SIGKILL) and starts it again on the same
+    /// port from the last snapshot a `SAVE` wrote into its directory: the
+    /// region's Redis going back in time, as a default `redis.conf` (with
+    /// `save` lines) does after a crash.
+    pub fn restart_from_snapshot(&mut self) {
+        let dir = self.dir.as_ref().expect("a local redis-server").path().to_path_buf();
+        assert!(dir.join("dump.rdb").exists(), "no snapshot: send SAVE first");
+        if let Some(mut c) = self.child.take() {
+            c.stop(libc::SIGKILL, Duration::from_secs(5));
+        }
         let bin = procs::find_binary("redis-server", &[]).expect("redis-server");
         self.spawn(&bin);
     }

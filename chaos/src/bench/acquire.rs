@@ -2,7 +2,7 @@
 //! each repetition measured next to three references on the same Redis at
 //! the same concurrency:
 //!
-//! * the ceiling: the agent's own spend script (`regional_agent::store::SPEND`,
+//! * the ceiling: the agent's own spend script (`regional_agent::store::SPEND` through `batch::spend_invocation`,
 //!   the same prelude + `spend.lua`) by EVALSHA on the agent's own quota
 //!   keys, with the arguments the agent sends, over one multiplexed
 //!   connection like the agent's;
@@ -21,8 +21,9 @@ use super::rig::Rig;
 use super::{Plan, Results};
 use futures::FutureExt;
 use quota_tests::redis::TestRedis;
+use regional_agent::batch::{spend_invocation, Ask, Common};
 use regional_agent::keys::Keys;
-use regional_agent::store::{Reply, SPEND};
+use regional_agent::store::Reply;
 use serde_json::json;
 use std::sync::Arc;
 use std::time::Duration;
@@ -93,7 +94,6 @@ fn healthz_op(client: reqwest::Client, base: &str) -> Op {
 struct SpendArgs {
     prefix: String,
     token: String,
-    fb_ws: i64,
     fallback: i64,
     agent: String,
     epoch: i64,
@@ -104,22 +104,15 @@ fn spend_op(conn: redis::aio::ConnectionManager, a: SpendArgs) -> Op {
     Arc::new(move |_, _| {
         let (mut conn, a) = (conn.clone(), a.clone());
         async move {
-            let mut inv = SPEND.prepare_invoke();
-            inv.key(format!("{}inc", a.prefix))
-                .arg(&a.prefix)
-                .arg(&a.token)
-                .arg("bench-fresh")
-                .arg(WINDOW_SECS * 1000)
-                .arg("0")
-                .arg(a.fb_ws)
-                .arg(a.fallback)
-                .arg(regional_agent::spend::COUNTER_TTL_MS)
-                .arg(&a.agent)
-                .arg(a.epoch)
-                // One request per run: the script as one client's decision costs.
-                .arg(1)
-                .arg("")
-                .arg("1");
+            let common = Common {
+                fallback: false,
+                window_secs: WINDOW_SECS,
+                allowance: a.fallback,
+                rid_ttl_ms: WINDOW_SECS * 1000,
+            };
+            // One request per run: the script as one client's decision costs.
+            let ask = Ask { cost: 1, rid: String::new(), count_demand: true };
+            let inv = spend_invocation(&a.prefix, &a.token, "bench-fresh", common, &a.agent, a.epoch, &[ask]);
             let r: Reply = tokio::time::timeout(CALL_TIMEOUT, inv.invoke_async(&mut conn))
                 .await
                 .map_err(|_| "spend script timed out".to_string())?
@@ -163,11 +156,9 @@ pub async fn run(rig: &Rig, plan: &Plan, out: &mut Results, progress: &dyn Fn(&s
         .await
         .map_err(|e| format!("reading the incarnation key: {e}"))?;
     let token = token.ok_or("the agent's incarnation key is missing after warm-up")?;
-    let now = chrono::Utc::now().timestamp();
     let args = SpendArgs {
         prefix: prefix.clone(),
         token,
-        fb_ws: now - now.rem_euclid(WINDOW_SECS),
         fallback: LIMIT / 100,
         agent: "eu-1".into(),
         epoch: agent.epoch().await,
