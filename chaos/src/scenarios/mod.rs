@@ -18,6 +18,7 @@ mod faults;
 mod harness;
 mod netns;
 mod outcomes;
+mod redis;
 
 use crate::bins;
 use crate::report::{self, ScenarioReport};
@@ -50,6 +51,7 @@ pub const SCENARIOS: &[(&str, &str)] = &[
     ("allocator-kill", "one of two allocator replicas SIGKILLed mid-traffic and restarted"),
     ("agent-restart", "an agent SIGKILLed and restarted: new epoch, old epoch refused"),
     ("redis-restart-empty", "a region's Redis restarted empty mid-window"),
+    ("redis-rollback", "a region's Redis restarted from an older snapshot, demand above G, strict"),
     ("postgres-restart", "PostgreSQL killed and restarted: agents serve from leases"),
     ("clock-skew", "agents with wall clocks 30 s ahead and behind"),
     ("demand-skew", "DESIGN §4 skew and contention outcomes, rollover without a gap"),
@@ -67,6 +69,7 @@ async fn run_one(name: &str, p: &Profile, bins: &bins::Bins) -> Result<ScenarioR
         "allocator-kill" => faults::allocator_kill(p, b).await,
         "agent-restart" => faults::agent_restart(p, b).await,
         "redis-restart-empty" => faults::redis_restart(p, b).await,
+        "redis-rollback" => redis::redis_rollback(p, b).await,
         "postgres-restart" => faults::postgres_restart(p, b).await,
         "clock-skew" => faults::clock_skew(p, b).await,
         "demand-skew" => outcomes::demand_skew(p, b).await,
