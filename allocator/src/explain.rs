@@ -1,12 +1,17 @@
 //! `GET /v1/explain/{tenant}/{resource}?region=&at=`: one answer to "why did
 //! admission look like this for that region at that instant", assembled from
-//! the policy history, the window's pool and region rows, the region's
-//! leases and its recent refusals in the ledger.
+//! the policy history, the window's leases, the region's reports and its
+//! recent refusals in the ledger.
 //!
-//! Counts of the pool and the region are the window's totals as stored now
-//! (reports arrive after the fact, so they are the best knowledge of what
-//! happened); leases are those issued up to `at`, and "live" is judged at
-//! `at`.
+//! Every number is as of `at` where history allows (`as_of` names the
+//! instant of each part): the pool's and the region's grants and returns are
+//! rebuilt from the leases issued and released up to `at`, consumption and
+//! fallback admits from the reports received up to `at`, the limit and the
+//! fallback allowance from the policy in force at `at`, and "live" is judged
+//! at `at`. Where retention has removed the history of the window the part
+//! is the total as stored now, and `notes` says so. `current` always carries
+//! the totals as stored now (reports arrive after the admits they count, so
+//! they may know more about `at` than the reports received by then).
 
 use crate::http::extract::{check_id, ApiPath, ApiQuery};
 use crate::leases::LeaseRow;
@@ -101,6 +106,37 @@ pub struct ExplainRegion {
     pub demand_at: Option<DateTime<Utc>>,
 }
 
+/// The instant each part of an [`Explanation`] is from: `at`, or the
+/// instant of `current` where the history to rebuild `at` is gone.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, ToSchema)]
+pub struct ExplainInstants {
+    /// `policy`: the version in force at this instant.
+    pub policy: DateTime<Utc>,
+    /// `pool`: leases issued and released up to this instant.
+    pub pool: DateTime<Utc>,
+    /// `region_account`: grants and returns as `pool`; consumption as
+    /// reported up to this instant.
+    pub region_account: DateTime<Utc>,
+    /// `leases` and `live_lease_tokens`: issued, expired and released up to
+    /// this instant.
+    pub leases: DateTime<Utc>,
+    /// `fallback`: admits reported up to this instant.
+    pub fallback: DateTime<Utc>,
+    /// `refusals`: recorded up to this instant.
+    pub refusals: DateTime<Utc>,
+}
+
+/// The window's totals as stored when the explanation was made.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, ToSchema)]
+pub struct ExplainCurrent {
+    /// Read just before the totals (allocator clock): every commit before it
+    /// is counted.
+    pub as_of: DateTime<Utc>,
+    pub pool: ExplainPool,
+    pub region_account: ExplainRegion,
+    pub fallback: ExplainFallback,
+}
+
 /// `GET /v1/explain/...` answer.
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct Explanation {
@@ -128,8 +164,44 @@ pub struct Explanation {
     pub verdict: String,
     /// One sentence saying why.
     pub reason: String,
+    /// The instant each part above is from.
+    pub as_of: ExplainInstants,
+    /// The same window's totals as stored now.
+    pub current: ExplainCurrent,
+    /// Which parts could not be rebuilt as of `at` and why, and what the
+    /// reader should know about the numbers; empty when nothing applies.
+    pub notes: Vec<String>,
 }
 
+/// The pool and the region rebuilt as of `at` (`sql/explain_pool_at.sql`).
+#[derive(sqlx::FromRow)]
+struct PoolAtRow {
+    created_at: DateTime<Utc>,
+    stored_granted: i64,
+    stored_returned: i64,
+    lease_granted: i64,
+    lease_returned: i64,
+    granted: i64,
+    returned: i64,
+    r_lease_granted: i64,
+    r_lease_returned: i64,
+    r_granted: i64,
+    r_returned: i64,
+    r_demand: Option<f64>,
+    r_last_want: Option<i64>,
+    r_demand_at: Option<DateTime<Utc>>,
+}
+
+/// The region's reports of the window (`sql/explain_reports_at.sql`).
+#[derive(sqlx::FromRow)]
+struct ReportsAtRow {
+    consumed: i64,
+    fallback_admitted: i64,
+    all_consumed: i64,
+    all_fallback_admitted: i64,
+}
+
+/// The pool and the region as stored now (`sql/explain_pool.sql`).
 #[derive(sqlx::FromRow)]
 struct PoolRow {
     limit_tokens: i64,
@@ -181,13 +253,37 @@ pub(crate) async fn explain(
         }
     };
     let window = Window::containing(at, policy.window_secs);
+    // Read before the stored totals, so every commit before it is in them.
+    let now = state.clock.now_utc();
+    // One snapshot for every read below: the rebuilt parts are checked
+    // against the stored totals, which must not move in between.
+    let mut tx = state.db.begin().await?;
+    sqlx::query(include_str!("sql/read_snapshot.sql")).execute(&mut *tx).await?;
     let pool: Option<PoolRow> = sqlx::query_as(include_str!("sql/explain_pool.sql"))
         .bind(&tenant)
         .bind(&resource)
         .bind(window.start)
         .bind(window.secs)
         .bind(&region)
-        .fetch_optional(&state.db)
+        .fetch_optional(&mut *tx)
+        .await?;
+    let pool_at: Option<PoolAtRow> = sqlx::query_as(include_str!("sql/explain_pool_at.sql"))
+        .bind(&tenant)
+        .bind(&resource)
+        .bind(window.start)
+        .bind(window.secs)
+        .bind(at)
+        .bind(&region)
+        .fetch_optional(&mut *tx)
+        .await?;
+    let reports_at: ReportsAtRow = sqlx::query_as(include_str!("sql/explain_reports_at.sql"))
+        .bind(&tenant)
+        .bind(&resource)
+        .bind(&region)
+        .bind(at)
+        .bind(Window { start: window.start - window.secs, secs: window.secs }.start_at())
+        .bind(window.start_at())
+        .fetch_one(&mut *tx)
         .await?;
     let rows: Vec<LeaseRow> = sqlx::query_as(include_str!("sql/explain_leases.sql"))
         .bind(&tenant)
@@ -197,61 +293,41 @@ pub(crate) async fn explain(
         .bind(&region)
         .bind(at)
         .bind(MAX_LEASES)
-        .fetch_all(&state.db)
+        .fetch_all(&mut *tx)
         .await?;
-    let refusals = ledger::refusals(&state.db, &tenant, &resource, &region, at, MAX_REFUSALS).await?;
+    let refusals = ledger::refusals(&mut tx, &tenant, &resource, &region, at, MAX_REFUSALS).await?;
+    tx.commit().await?;
 
-    let pool_view = match &pool {
-        Some(p) => ExplainPool {
-            exists: true,
-            limit: p.limit_tokens,
-            granted: p.granted,
-            returned: p.returned,
-            available: (p.limit_tokens - (p.granted - p.returned)).max(0),
-        },
-        None => ExplainPool {
-            exists: false,
-            limit: policy.limit_tokens,
-            granted: 0,
-            returned: 0,
-            available: policy.limit_tokens,
-        },
-    };
-    let region_account = ExplainRegion {
-        region: region.clone(),
-        granted: pool.as_ref().and_then(|p| p.r_granted).unwrap_or(0),
-        returned: pool.as_ref().and_then(|p| p.r_returned).unwrap_or(0),
-        consumed: pool.as_ref().and_then(|p| p.r_consumed).unwrap_or(0),
-        demand_per_sec: pool.as_ref().and_then(|p| p.r_demand).unwrap_or(0.0),
-        last_want: pool.as_ref().and_then(|p| p.r_last_want).unwrap_or(0),
-        demand_at: pool.as_ref().and_then(|p| p.r_demand_at),
-    };
-    let allowance =
-        pool.as_ref().map(|p| p.fallback_per_region).unwrap_or_else(|| policy.fallback_allowance());
-    let fallback_admitted = pool.as_ref().and_then(|p| p.r_fallback).unwrap_or(0);
-    let fallback = ExplainFallback {
-        allowance,
-        admitted: fallback_admitted,
-        left: (allowance - fallback_admitted).max(0),
-        in_fallback: fallback_admitted > 0,
-    };
+    let current = current_totals(pool.as_ref(), &policy, &region, now);
+    let rebuilt = rebuild(&current, pool_at.as_ref(), &reports_at, &policy, &region, at);
+    let Rebuilt { pool: pool_view, region_account, fallback, as_of, mut notes } = rebuilt;
+    if rows.len() as i64 == MAX_LEASES {
+        notes.push(format!(
+            "the region had more than {MAX_LEASES} leases in the window up to `at`: `leases` lists the \
+             first {MAX_LEASES} and `live_lease_tokens` counts only those"
+        ));
+    }
     let live = |l: &LeaseRow| l.tokens > 0 && l.expires_at > at && l.released_at.is_none_or(|r| r > at);
     let live_lease_tokens: i64 = rows.iter().filter(|l| live(l)).map(|l| l.tokens).sum();
     let empty_grant = rows.iter().rev().find(|l| l.tokens == 0);
     let leases: Vec<ExplainLease> = rows
         .iter()
-        .map(|l| ExplainLease {
-            lease_id: l.lease_id,
-            agent: l.agent.clone(),
-            epoch: l.epoch,
-            seq: l.seq,
-            tokens: l.tokens,
-            issued_at: l.issued_at,
-            expires_at: l.expires_at,
-            expired: l.expires_at <= at,
-            spent: l.unspent.map(|u| l.tokens - u),
-            returned: l.returned,
-            released_at: l.released_at,
+        .map(|l| {
+            // A release after `at` had not happened yet at `at`.
+            let released = l.released_at.is_some_and(|r| r <= at);
+            ExplainLease {
+                lease_id: l.lease_id,
+                agent: l.agent.clone(),
+                epoch: l.epoch,
+                seq: l.seq,
+                tokens: l.tokens,
+                issued_at: l.issued_at,
+                expires_at: l.expires_at,
+                expired: l.expires_at <= at,
+                spent: l.unspent.filter(|_| released).map(|u| l.tokens - u),
+                returned: l.returned.filter(|_| released),
+                released_at: l.released_at.filter(|_| released),
+            }
         })
         .collect();
 
@@ -296,5 +372,158 @@ pub(crate) async fn explain(
         refusals,
         verdict: verdict.to_string(),
         reason,
+        as_of,
+        current,
+        notes,
     }))
+}
+
+/// The window's totals as stored at `now`.
+fn current_totals(
+    pool: Option<&PoolRow>,
+    policy: &policies::PolicyRow,
+    region: &str,
+    now: DateTime<Utc>,
+) -> ExplainCurrent {
+    let pool_view = match pool {
+        Some(p) => ExplainPool {
+            exists: true,
+            limit: p.limit_tokens,
+            granted: p.granted,
+            returned: p.returned,
+            available: (p.limit_tokens - (p.granted - p.returned)).max(0),
+        },
+        None => ExplainPool {
+            exists: false,
+            limit: policy.limit_tokens,
+            granted: 0,
+            returned: 0,
+            available: policy.limit_tokens,
+        },
+    };
+    let region_account = ExplainRegion {
+        region: region.to_string(),
+        granted: pool.and_then(|p| p.r_granted).unwrap_or(0),
+        returned: pool.and_then(|p| p.r_returned).unwrap_or(0),
+        consumed: pool.and_then(|p| p.r_consumed).unwrap_or(0),
+        demand_per_sec: pool.and_then(|p| p.r_demand).unwrap_or(0.0),
+        last_want: pool.and_then(|p| p.r_last_want).unwrap_or(0),
+        demand_at: pool.and_then(|p| p.r_demand_at),
+    };
+    let allowance = pool.map(|p| p.fallback_per_region).unwrap_or_else(|| policy.fallback_allowance());
+    let admitted = pool.and_then(|p| p.r_fallback).unwrap_or(0);
+    let fallback = fallback_view(allowance, admitted);
+    ExplainCurrent { as_of: now, pool: pool_view, region_account, fallback }
+}
+
+fn fallback_view(allowance: i64, admitted: i64) -> ExplainFallback {
+    ExplainFallback { allowance, admitted, left: (allowance - admitted).max(0), in_fallback: admitted > 0 }
+}
+
+/// The parts of an explanation as of `at`, with the instant of each.
+struct Rebuilt {
+    pool: ExplainPool,
+    region_account: ExplainRegion,
+    fallback: ExplainFallback,
+    as_of: ExplainInstants,
+    notes: Vec<String>,
+}
+
+/// Rebuilds the pool, the region and its fallback position as of `at` from
+/// the leases and the reported events, falling back to the stored totals
+/// (and saying so) where retention removed that history. A pure function of
+/// what was read, so the choice of each part's instant is in one place.
+fn rebuild(
+    current: &ExplainCurrent,
+    pool_at: Option<&PoolAtRow>,
+    reports: &ReportsAtRow,
+    policy: &policies::PolicyRow,
+    region: &str,
+    at: DateTime<Utc>,
+) -> Rebuilt {
+    let mut notes = Vec::new();
+    let mut as_of =
+        ExplainInstants { policy: at, pool: at, region_account: at, leases: at, fallback: at, refusals: at };
+    // The limit and the allowance in force at `at` (a policy change applies
+    // to the open window at once, I9).
+    let limit = policy.limit_tokens;
+    let allowance = policy.fallback_allowance();
+    let (pool, lease_history_whole, region_lease_history_whole) = match pool_at {
+        None => (ExplainPool { exists: false, limit, granted: 0, returned: 0, available: limit }, true, true),
+        Some(p) => {
+            let whole = p.lease_granted == p.stored_granted && p.lease_returned == p.stored_returned;
+            let r_whole = p.r_lease_granted == current.region_account.granted
+                && p.r_lease_returned == current.region_account.returned;
+            let (granted, returned) =
+                if whole { (p.granted, p.returned) } else { (p.stored_granted, p.stored_returned) };
+            let exists = if whole { p.created_at <= at } else { true };
+            let pool = if exists {
+                ExplainPool {
+                    exists,
+                    limit,
+                    granted,
+                    returned,
+                    available: (limit - (granted - returned)).max(0),
+                }
+            } else {
+                ExplainPool { exists, limit, granted: 0, returned: 0, available: limit }
+            };
+            (pool, whole, r_whole)
+        }
+    };
+    let pool = if lease_history_whole {
+        pool
+    } else {
+        as_of.pool = current.as_of;
+        notes.push(
+            "retention removed leases of this window, so the pool cannot be rebuilt as of `at`: \
+             `pool` is the total as stored now"
+                .to_string(),
+        );
+        ExplainPool { limit: current.pool.limit, available: current.pool.available, ..pool }
+    };
+    let reports_whole = reports.all_consumed == current.region_account.consumed
+        && reports.all_fallback_admitted == current.fallback.admitted;
+    let mut region_account = match pool_at {
+        Some(p) if region_lease_history_whole => ExplainRegion {
+            region: region.to_string(),
+            granted: p.r_granted,
+            returned: p.r_returned,
+            consumed: reports.consumed,
+            demand_per_sec: p.r_demand.unwrap_or(0.0),
+            last_want: p.r_last_want.unwrap_or(0),
+            demand_at: p.r_demand_at,
+        },
+        Some(_) => current.region_account.clone(),
+        None => ExplainRegion {
+            region: region.to_string(),
+            granted: 0,
+            returned: 0,
+            consumed: reports.consumed,
+            demand_per_sec: 0.0,
+            last_want: 0,
+            demand_at: None,
+        },
+    };
+    let mut fallback = fallback_view(allowance, reports.fallback_admitted);
+    if !region_lease_history_whole || !reports_whole {
+        as_of.region_account = current.as_of;
+        as_of.fallback = current.as_of;
+        region_account = current.region_account.clone();
+        fallback = fallback_view(allowance, current.fallback.admitted);
+        notes.push(
+            "retention removed leases or reports of this region in this window, so its account cannot \
+             be rebuilt as of `at`: `region_account` and `fallback.admitted` are the totals as stored now"
+                .to_string(),
+        );
+    } else if reports.consumed != current.region_account.consumed
+        || reports.fallback_admitted != current.fallback.admitted
+    {
+        notes.push(
+            "consumption and fallback admits are those reported by `at`; agents report after they \
+             admit, so `current` (as stored now) also counts reports received since"
+                .to_string(),
+        );
+    }
+    Rebuilt { pool, region_account, fallback, as_of, notes }
 }

@@ -1,8 +1,17 @@
 //! The append-only ledger: every registration, grant, replay, refusal,
 //! release, report and policy change is one row, and `GET /v1/ledger` reads
 //! them back in commit order with a cursor that is stable while events
-//! arrive: it walks `(txid, id)` and serves only events of transactions that
-//! ended before the read's snapshot (see `sql/ledger_page.sql`).
+//! arrive and live while other connections hold transactions open.
+//!
+//! The cursor walks `(txid, id)`, where `txid` is the row's position, fixed
+//! by a trigger as the row is inserted (migration `20261204200001`). A read
+//! first computes a [`Horizon`] from this database's ledger writers only
+//! (`sql/ledger_tick.sql`, `sql/ledger_horizon.sql`) and then serves rows
+//! below it: each is committed, and every row still to commit sorts at or
+//! above it. Only a transaction that itself wrote ledger rows can hold the
+//! horizon back, and the trigger lets such a transaction stay idle (or run
+//! one more statement) for at most `quota.ledger_writer_timeout` (30 s).
+//! Every page says up to which instant it is complete (`as_of`).
 
 use crate::http::extract::{check_id, ApiQuery};
 use crate::{AppState, Error, Result};
@@ -147,7 +156,18 @@ pub struct LedgerPage {
     /// null) when the page is empty. Events still being committed appear on
     /// a later page, never before this cursor.
     pub next_cursor: Option<String>,
+    /// The newest commit this read reflects (allocator clock): every event
+    /// committed before it is on this page, behind the cursor, or (when the
+    /// page is full) on the pages that follow. Normally the instant of the
+    /// read; earlier while a transaction that wrote ledger events is still
+    /// open (it is then that transaction's start). Null only when such a
+    /// transaction belongs to another database role whose start this role
+    /// may not see. `format=ndjson` answers it in the `Ledger-As-Of` header.
+    pub as_of: Option<DateTime<Utc>>,
 }
+
+/// Header of an NDJSON export carrying the `as_of` of the whole export.
+pub const AS_OF_HEADER: &str = "ledger-as-of";
 
 /// Largest page of `GET /v1/ledger`, and the batch an NDJSON export reads.
 pub const MAX_PAGE: i64 = 1000;
@@ -193,7 +213,48 @@ impl Cursor {
     }
 }
 
-async fn page(db: &PgPool, f: &Filter, after: Cursor, limit: i64) -> Result<Vec<Event>> {
+/// Where a read of the ledger may stop, and up to which instant that read
+/// is complete.
+#[derive(Debug, Clone)]
+pub struct Horizon {
+    /// Serve only rows whose position is below this (an xid8, as text).
+    position: String,
+    /// See [`LedgerPage::as_of`].
+    pub as_of: Option<DateTime<Utc>>,
+}
+
+#[derive(sqlx::FromRow)]
+struct HorizonRow {
+    horizon: String,
+    held_secs: Option<f64>,
+    since_unknown: bool,
+}
+
+/// Takes the ledger's horizon now (see `sql/ledger_horizon.sql`). Three
+/// statements in order, each with its own snapshot: the tick, the horizon,
+/// and later the page query.
+pub async fn horizon(db: &PgPool, now: DateTime<Utc>) -> Result<Horizon> {
+    let mut conn = db.acquire().await?;
+    sqlx::query(include_str!("sql/ledger_tick.sql")).execute(&mut *conn).await?;
+    let row: HorizonRow =
+        sqlx::query_as(include_str!("sql/ledger_horizon.sql")).fetch_one(&mut *conn).await?;
+    // `now` was read before the tick, so every commit before it is below the
+    // horizon. An open ledger writer holds back what committed after it got
+    // its xid, hence after its transaction started: `as_of` moves back by
+    // how long that transaction has run (measured on the database's clock,
+    // so the allocator's and the database's clocks need not agree).
+    let as_of = match (row.since_unknown, row.held_secs) {
+        (true, _) => None,
+        (false, None) => Some(now),
+        (false, Some(secs)) => {
+            let held = chrono::Duration::milliseconds((secs.max(0.0) * 1000.0).ceil() as i64);
+            Some(now - held)
+        }
+    };
+    Ok(Horizon { position: row.horizon, as_of })
+}
+
+async fn page(db: &PgPool, f: &Filter, after: Cursor, limit: i64, horizon: &Horizon) -> Result<Vec<Event>> {
     Ok(sqlx::query_as(include_str!("sql/ledger_page.sql"))
         .bind(after.txid.to_string())
         .bind(after.id)
@@ -202,6 +263,7 @@ async fn page(db: &PgPool, f: &Filter, after: Cursor, limit: i64) -> Result<Vec<
         .bind(&f.region)
         .bind(f.since)
         .bind(limit)
+        .bind(&horizon.position)
         .fetch_all(db)
         .await?)
 }
@@ -213,7 +275,8 @@ async fn page(db: &PgPool, f: &Filter, after: Cursor, limit: i64) -> Result<Vec<
     path = "/v1/ledger",
     params(LedgerQuery),
     responses(
-        (status = 200, description = "A page of events (or NDJSON with format=ndjson)", body = LedgerPage),
+        (status = 200, description = "A page of events (or NDJSON with format=ndjson)", body = LedgerPage,
+            headers(("ledger-as-of" = String, description = "format=ndjson only: the export's as_of (RFC 3339), see LedgerPage.as_of"))),
         (status = 401, description = "Missing or wrong admin token", body = ErrorBody),
         (status = 422, description = "Invalid filter; the message names the field", body = ErrorBody),
     ),
@@ -242,7 +305,8 @@ pub(crate) async fn list(
                     "format=ndjson exports every matching event; omit limit",
                 ));
             }
-            return Ok(export(state.db.clone(), filter, cursor.unwrap_or_default()));
+            let horizon = horizon(&state.db, state.clock.now_utc()).await?;
+            return Ok(export(state.db.clone(), filter, cursor.unwrap_or_default(), horizon));
         }
         other => return Err(Error::invalid("format", format!("must be json or ndjson, got {other:?}"))),
     }
@@ -250,23 +314,27 @@ pub(crate) async fn list(
     if !(1..=MAX_PAGE).contains(&limit) {
         return Err(Error::invalid("limit", format!("must be between 1 and {MAX_PAGE}, got {limit}")));
     }
-    let events = page(&state.db, &filter, cursor.unwrap_or_default(), limit).await?;
+    let horizon = horizon(&state.db, state.clock.now_utc()).await?;
+    let events = page(&state.db, &filter, cursor.unwrap_or_default(), limit, &horizon).await?;
     let next_cursor = events.last().map(Event::cursor).or(q.cursor.filter(|c| !c.is_empty()));
-    Ok(Json(LedgerPage { events, next_cursor }).into_response())
+    Ok(Json(LedgerPage { events, next_cursor, as_of: horizon.as_of }).into_response())
 }
 
 /// Streams every matching event as NDJSON, one bounded page at a time, so
 /// memory stays at one page however long the ledger is. The same stable
-/// cursor walks the pages; the export ends at the first short page, so it
+/// cursor walks the pages, all below one horizon taken before the first:
+/// the export is every matching event committed before its `as_of` (the
+/// `Ledger-As-Of` header), and it ends at the first short page, so it
 /// terminates even while writers keep appending. A database error after the
 /// first byte cannot change the status any more: it is logged and the body
 /// is cut short, which a client sees as an incomplete transfer.
-fn export(db: PgPool, filter: Filter, start: Cursor) -> Response {
+fn export(db: PgPool, filter: Filter, start: Cursor, horizon: Horizon) -> Response {
+    let as_of = horizon.as_of;
     let stream = futures::stream::try_unfold(Some(start), move |state| {
-        let (db, filter) = (db.clone(), filter.clone());
+        let (db, filter, horizon) = (db.clone(), filter.clone(), horizon.clone());
         async move {
             let Some(after) = state else { return Ok(None) };
-            let events = page(&db, &filter, after, MAX_PAGE).await.map_err(|e| {
+            let events = page(&db, &filter, after, MAX_PAGE, &horizon).await.map_err(|e| {
                 tracing::warn!(error = %e, "ledger export failed");
                 std::io::Error::other(e.to_string())
             })?;
@@ -287,12 +355,15 @@ fn export(db: PgPool, filter: Filter, start: Cursor) -> Response {
     let mut resp = Body::from_stream(stream).into_response();
     resp.headers_mut()
         .insert(header::CONTENT_TYPE, axum::http::HeaderValue::from_static("application/x-ndjson"));
+    if let Some(v) = as_of.and_then(|t| axum::http::HeaderValue::from_str(&t.to_rfc3339()).ok()) {
+        resp.headers_mut().insert(AS_OF_HEADER, v);
+    }
     resp
 }
 
 /// The latest refusals of `region` for a quota up to `at`, newest first.
 pub async fn refusals(
-    db: &PgPool,
+    conn: &mut PgConnection,
     tenant: &str,
     resource: &str,
     region: &str,
@@ -305,7 +376,7 @@ pub async fn refusals(
         .bind(region)
         .bind(at)
         .bind(limit)
-        .fetch_all(db)
+        .fetch_all(conn)
         .await?)
 }
 

@@ -83,6 +83,10 @@ pub struct WindowsPage {
     pub windows: Vec<WindowAccount>,
     /// Pass as `from` to read the following windows, when there are more.
     pub next_from: Option<DateTime<Utc>>,
+    /// The newest commit these numbers reflect (allocator clock): read just
+    /// before the one statement that reads the windows, so every grant,
+    /// release and report committed before it is counted.
+    pub as_of: DateTime<Utc>,
 }
 
 #[derive(sqlx::FromRow)]
@@ -136,7 +140,7 @@ pub(crate) async fn list(
         return Err(Error::invalid("limit", format!("must be between 1 and {MAX_WINDOWS}, got {limit}")));
     }
     let (windows, next_from) = accounts(&mut conn, &tenant, &resource, from, to, limit, now).await?;
-    Ok(Json(WindowsPage { tenant, resource, windows, next_from }))
+    Ok(Json(WindowsPage { tenant, resource, windows, next_from, as_of: now }))
 }
 
 /// The accounting of the first `limit` windows starting in `[from, to)`,

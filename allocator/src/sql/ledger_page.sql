@@ -1,11 +1,11 @@
--- Serves only events of transactions that ended before this statement's
--- snapshot was taken: everything that commits later has a txid at or above
--- that snapshot's xmin and so sorts after the cursor, which therefore can
--- neither skip a late commit nor repeat an event.
+-- One page after the cursor, below the horizon ledger_horizon.sql computed
+-- in an earlier statement ($8): every row below it is committed and visible
+-- to this statement's later snapshot, and every row still to commit sorts at
+-- or above it, so the cursor can neither skip a late commit nor repeat one.
 select id, at, kind, tenant, resource, region, agent, epoch, seq, lease_id, tokens, reason, detail,
        txid::text as txid
 from ledger_event
-where txid < pg_snapshot_xmin(pg_current_snapshot())
+where txid < $8::text::xid8
   and (txid, id) > ($1::text::xid8, $2)
   and ($3::text is null or tenant = $3)
   and ($4::text is null or resource = $4)
