@@ -30,9 +30,17 @@
 //!   allowance, the limit and the window length from grant answers and caches
 //!   them in Redis (`pol`) for the other replicas and for restarts during a
 //!   partition. The first acquire of a quota no replica knows waits for one
-//!   grant; a 404 from the allocator becomes `404 unknown_quota` (cached 2 s).
-//!   A quota never seen while the allocator is unreachable answers `503
-//!   allocator_unreachable`.
+//!   grant; nothing is written to Redis for the quota before that grant
+//!   succeeds. A 404 from the allocator becomes `404 unknown_quota`, the
+//!   quota leaves the registry at once, and the name is kept in a negative
+//!   cache (at most 4,096 names, 5 s each), so a flood of unknown names
+//!   leaves no key, registry entry or task (F14). A quota never seen while
+//!   the allocator is unreachable answers `503 allocator_unreachable`.
+//! * **Registry bounds.** Quotas idle for 5 minutes with an empty outbox
+//!   and no live lease leave the registry and the agent's quota set; there
+//!   is no fixed cap on known quotas (`agent_quotas` shows how many are
+//!   held). At most 1,024 new names may be learning their policy at once;
+//!   beyond that a new name answers `503 too_many_quotas` for that moment.
 //! * **After the fallback allowance is spent** during a partition the agent
 //!   answers `503 allocator_unreachable` (it cannot decide), not 429.
 //! * **Request ids** are remembered for one window length from the first
@@ -40,11 +48,38 @@
 //! * **Reachability**: the allocator counts as unreachable from the first
 //!   failed call (timeout, refused connection, 5xx) until a call succeeds;
 //!   the breaker opens after two consecutive failures.
-//! * **Redis data loss** is detected per quota, inside the spend script, by
+//! * **Redis data loss** is detected per quota, inside every script, by
 //!   the quota's incarnation key. An agent that starts while the region's
 //!   incarnation key is missing cannot tell a new region from one that lost
 //!   its data while no agent ran; it treats the current window's fallback of
 //!   each quota it first touches as spent (the safe side).
+//! * **Redis going back in time** (a restart from an older snapshot or AOF,
+//!   a failover to a replica that missed writes, evicted keys: seed 002
+//!   F10, F15, F33) is detected inside every script too, before anything is
+//!   decided on the old state: each quota keeps the stamp of the server it
+//!   last ran on (`run_id`, which changes at every restart and differs on a
+//!   promoted replica, and `evicted_keys`, read with `INFO` inside the
+//!   script). A different stamp strands the quota's live leases (neither
+//!   spent nor released: their `spent` may be older than the truth), drops
+//!   its unreported counters (they may have been reported since the
+//!   snapshot: the ledger may under-count, never count twice), counts the
+//!   open window's fallback allowance as spent, and installs a new
+//!   incarnation, so every replica re-registers on its next call. A Redis
+//!   that restarts with everything intact costs the same (stranded tokens);
+//!   `agent_redis_rollbacks_total` counts the events.
+//! * **One clock for fallback windows** (I8): the window a fallback admit
+//!   counts in comes from the region's Redis clock (`TIME`) corrected by the
+//!   offset to the allocator's clock that each credited grant measures
+//!   (`clk`), never from an agent's own wall clock, so replicas with skewed
+//!   clocks share one fallback counter per real window. The opt-in local
+//!   fallback (Redis down) uses the allocator's clock extrapolated with the
+//!   monotonic clock from its last answer.
+//! * **Key lifecycle** (F04): every key of a quota has a TTL that fits its
+//!   purpose (leases: their life; `fb:` counters: their window plus a
+//!   minute; fences: two days, longer than any lease; counters and books:
+//!   a week), refreshed while an agent holds the quota; an agent's quota
+//!   set expires a week after the agent was last seen. Only the region's
+//!   incarnation key and outbox lists with undelivered entries have none.
 //! * **Outbox entries** belong to the agent that cut them (the allocator
 //!   fences releases and reports by agent); an agent id that never comes back
 //!   leaves its entries unreported. Agent ids must be unique per process.
