@@ -190,6 +190,8 @@ async fn wait_renewal(q: &Quota, d: Duration) {
 
 /// Makes the decision for a valid request.
 async fn decide(app: &AppState, req: &AcquireRequest, policy_out: &mut Option<PolicyInfo>) -> Result<Admit> {
+    // Nothing is decided on a Redis that may evict the agent's keys (see `guard`).
+    app.guard.admit()?;
     let q = app.quota(&req.tenant, &req.resource).ok_or(Error::TooManyQuotas)?;
     *q.last_used.lock().unwrap() = Instant::now();
     if q.unknown() {
