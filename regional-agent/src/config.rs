@@ -22,9 +22,28 @@ pub struct Config {
     pub allocator: Option<String>,
 
     /// The region's Redis: redis://host:port, or a comma-separated list of
-    /// Redis Cluster nodes. Required.
+    /// Redis Cluster nodes. Required unless --redis-sentinel and
+    /// --redis-master are given; with them, only its user, password and
+    /// database number are used (the primary's address comes from Sentinel).
     #[arg(long, env = "REDIS_URL", hide_env_values = true)]
     pub redis: Option<String>,
+
+    /// Redis Sentinel nodes watching the region's primary, `host:port[,host:port...]`.
+    /// The agent asks them for the current primary and asks again after a
+    /// connection error, a timeout or a READONLY answer (a failover).
+    /// Goes with --redis-master.
+    #[arg(long, env = "AGENT_REDIS_SENTINEL")]
+    pub redis_sentinel: Option<String>,
+
+    /// Name of the primary the Sentinels monitor (`sentinel monitor NAME ...`).
+    /// Goes with --redis-sentinel.
+    #[arg(long, env = "AGENT_REDIS_MASTER")]
+    pub redis_master: Option<String>,
+
+    /// How often the agent reads the Redis server's maxmemory-policy and
+    /// evicted_keys, ms (any policy but noeviction stops admission).
+    #[arg(long, env = "AGENT_REDIS_POLICY_CHECK_MS", default_value_t = 5000)]
+    pub redis_policy_check_ms: u64,
 
     /// Treat a single --redis URL as a Redis Cluster seed node.
     #[arg(long, env = "AGENT_REDIS_CLUSTER", default_value_t = false)]
@@ -90,8 +109,15 @@ pub struct Settings {
     pub region: String,
     pub agent: String,
     pub allocator: String,
+    /// Redis URLs: one server, cluster seed nodes, or (with `sentinel`) at
+    /// most one URL whose credentials are used on the primary.
     pub redis: Vec<String>,
     pub redis_cluster: bool,
+    /// The Sentinels and the primary's name, when the region's Redis is
+    /// found through Sentinel.
+    pub sentinel: Option<SentinelSettings>,
+    /// Period of the eviction policy check.
+    pub redis_policy_check: Duration,
     pub redis_prefix: String,
     pub agent_token: Option<String>,
     pub local_fallback_per_agent: i64,
@@ -101,6 +127,39 @@ pub struct Settings {
     pub acquire_wait: Duration,
     pub outbox_interval: Duration,
     pub test_clock_offset_ms: i64,
+}
+
+/// Where to find the region's primary through Sentinel.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SentinelSettings {
+    /// Sentinel addresses, `(host, port)`.
+    pub nodes: Vec<(String, u16)>,
+    /// The monitored primary's name.
+    pub master: String,
+}
+
+/// Parses `host:port[,host:port...]` (IPv6 hosts in brackets).
+pub fn parse_sentinels(list: &str) -> Result<Vec<(String, u16)>, String> {
+    let mut nodes = Vec::new();
+    for item in list.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        let (host, port) = item
+            .rsplit_once(':')
+            .ok_or_else(|| format!("AGENT_REDIS_SENTINEL entry {item:?} is not host:port"))?;
+        let host = host.trim_start_matches('[').trim_end_matches(']');
+        let port: u16 = port
+            .parse()
+            .ok()
+            .filter(|p| *p > 0)
+            .ok_or_else(|| format!("AGENT_REDIS_SENTINEL entry {item:?} has no valid port"))?;
+        if host.is_empty() || host.contains('/') {
+            return Err(format!("AGENT_REDIS_SENTINEL entry {item:?} is not host:port"));
+        }
+        nodes.push((host.to_string(), port));
+    }
+    if nodes.is_empty() {
+        return Err("AGENT_REDIS_SENTINEL is empty: give host:port[,host:port...]".into());
+    }
+    Ok(nodes)
 }
 
 fn required(v: &Option<String>, flag: &str, env: &str) -> Result<String, String> {
@@ -121,11 +180,37 @@ impl Config {
         if !(allocator.starts_with("http://") || allocator.starts_with("https://")) {
             return Err(format!("ALLOCATOR_URL must be an http:// or https:// URL, got {allocator:?}"));
         }
-        let redis: Vec<String> = required(&self.redis, "redis", "REDIS_URL")?
-            .split(',')
-            .map(|s| s.trim().to_string())
-            .filter(|s| !s.is_empty())
-            .collect();
+        let given = |v: &Option<String>| v.as_deref().is_some_and(|s| !s.trim().is_empty());
+        let sentinel = match (given(&self.redis_sentinel), given(&self.redis_master)) {
+            (true, true) => Some(SentinelSettings {
+                nodes: parse_sentinels(self.redis_sentinel.as_deref().unwrap_or_default())?,
+                master: self.redis_master.as_deref().unwrap_or_default().trim().to_string(),
+            }),
+            (true, false) => {
+                return Err("AGENT_REDIS_MASTER is not set: --redis-sentinel needs --redis-master NAME \
+                    (the name the Sentinels monitor)"
+                    .into())
+            }
+            (false, true) => {
+                return Err("AGENT_REDIS_SENTINEL is not set: --redis-master needs --redis-sentinel \
+                    host:port[,host:port...]"
+                    .into())
+            }
+            (false, false) => None,
+        };
+        let redis: Vec<String> = match &sentinel {
+            Some(_) => self.redis.clone().filter(|s| !s.trim().is_empty()).into_iter().collect(),
+            None => required(&self.redis, "redis", "REDIS_URL")?
+                .split(',')
+                .map(|s| s.trim().to_string())
+                .filter(|s| !s.is_empty())
+                .collect(),
+        };
+        if sentinel.is_some() && (self.redis_cluster || redis.iter().any(|u| u.contains(','))) {
+            return Err("AGENT_REDIS_SENTINEL cannot be combined with a Redis Cluster (REDIS_URL list or \
+                AGENT_REDIS_CLUSTER): Sentinel serves one primary"
+                .into());
+        }
         if self.redis_prefix.contains(['{', '}']) {
             return Err("AGENT_REDIS_PREFIX must not contain '{' or '}' (it would break the hash tag)".into());
         }
@@ -136,8 +221,10 @@ impl Config {
             region,
             agent,
             allocator,
-            redis_cluster: self.redis_cluster || redis.len() > 1,
+            redis_cluster: sentinel.is_none() && (self.redis_cluster || redis.len() > 1),
             redis,
+            sentinel,
+            redis_policy_check: Duration::from_millis(self.redis_policy_check_ms.max(50)),
             redis_prefix: self.redis_prefix.clone(),
             agent_token: self.agent_token.clone().filter(|t| !t.is_empty()),
             local_fallback_per_agent: self.local_fallback_per_agent,
@@ -148,5 +235,64 @@ impl Config {
             outbox_interval: Duration::from_millis(self.outbox_interval_ms.max(10)),
             test_clock_offset_ms: self.test_clock_offset_ms,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(args: &[&str]) -> Config {
+        let mut all =
+            vec!["regional-agent", "--region", "eu", "--agent", "eu-1", "--allocator", "http://a:1"];
+        all.extend_from_slice(args);
+        Config::try_parse_from(all).expect("flags parse")
+    }
+
+    #[test]
+    fn sentinel_replaces_redis_url() {
+        let s = config(&["--redis-sentinel", "127.0.0.1:26379, [::1]:26380", "--redis-master", "m"])
+            .settings()
+            .expect("valid");
+        let sentinel = s.sentinel.expect("sentinel settings");
+        assert_eq!(sentinel.nodes, vec![("127.0.0.1".to_string(), 26379), ("::1".to_string(), 26380)]);
+        assert_eq!(sentinel.master, "m");
+        assert!(!s.redis_cluster);
+        if std::env::var_os("REDIS_URL").is_none() {
+            assert!(s.redis.is_empty());
+        }
+    }
+
+    #[test]
+    fn one_sentinel_flag_alone_is_a_config_error_naming_the_other() {
+        let e = config(&["--redis-sentinel", "127.0.0.1:26379"]).settings().unwrap_err();
+        assert!(e.contains("AGENT_REDIS_MASTER"), "{e}");
+        let e = config(&["--redis-master", "m", "--redis", "redis://x:1"]).settings().unwrap_err();
+        assert!(e.contains("AGENT_REDIS_SENTINEL"), "{e}");
+    }
+
+    #[test]
+    fn without_sentinel_redis_url_is_required() {
+        if std::env::var_os("REDIS_URL").is_some() {
+            return; // the environment supplies it
+        }
+        let e = config(&[]).settings().unwrap_err();
+        assert!(e.contains("REDIS_URL"), "{e}");
+    }
+
+    #[test]
+    fn sentinel_entries_must_be_host_and_port() {
+        for bad in ["", "host", "host:0", "host:x", ":1", "redis://h:1/0"] {
+            assert!(parse_sentinels(bad).is_err(), "{bad:?} accepted");
+        }
+    }
+
+    #[test]
+    fn sentinel_and_cluster_do_not_combine() {
+        let e =
+            config(&["--redis-sentinel", "h:1", "--redis-master", "m", "--redis", "redis://a:1,redis://b:2"])
+                .settings()
+                .unwrap_err();
+        assert!(e.contains("Cluster"), "{e}");
     }
 }

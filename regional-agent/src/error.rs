@@ -37,6 +37,11 @@ pub enum Error {
     /// Redis cannot be reached.
     #[error("the region's store is unavailable")]
     StoreUnavailable,
+    /// Redis answers but may not be trusted to keep the agent's keys (an
+    /// evicting `maxmemory-policy`, or not yet checked); the message says
+    /// why and how to fix it. Answered as `store_unavailable`.
+    #[error("{0}")]
+    StoreNotSafe(String),
     /// Too many new quota names are learning their policy at once (each
     /// is one grant away from knowing; see `quotas::MAX_LEARNING`).
     #[error("this agent is learning the policies of too many new quota names at once; retry")]
@@ -60,9 +65,10 @@ impl Error {
             Error::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Error::UnknownQuota(_) | Error::NoRoute(_) => StatusCode::NOT_FOUND,
             Error::Exhausted { .. } => StatusCode::TOO_MANY_REQUESTS,
-            Error::AllocatorUnreachable | Error::StoreUnavailable | Error::TooManyQuotas => {
-                StatusCode::SERVICE_UNAVAILABLE
-            }
+            Error::AllocatorUnreachable
+            | Error::StoreUnavailable
+            | Error::StoreNotSafe(_)
+            | Error::TooManyQuotas => StatusCode::SERVICE_UNAVAILABLE,
         }
     }
 
@@ -75,7 +81,7 @@ impl Error {
             Error::UnknownQuota(_) => "unknown_quota",
             Error::Exhausted { .. } => "quota_exhausted",
             Error::AllocatorUnreachable => "allocator_unreachable",
-            Error::StoreUnavailable => "store_unavailable",
+            Error::StoreUnavailable | Error::StoreNotSafe(_) => "store_unavailable",
             Error::TooManyQuotas => "too_many_quotas",
             Error::NoRoute(_) => "not_found",
         }
@@ -85,9 +91,10 @@ impl Error {
     pub fn retry_after_s(&self) -> Option<i64> {
         match self {
             Error::Exhausted { retry_after_ms } => Some(retry_after_secs(*retry_after_ms)),
-            Error::AllocatorUnreachable | Error::StoreUnavailable | Error::TooManyQuotas => {
-                Some(retry_after_secs(1000))
-            }
+            Error::AllocatorUnreachable
+            | Error::StoreUnavailable
+            | Error::StoreNotSafe(_)
+            | Error::TooManyQuotas => Some(retry_after_secs(1000)),
             _ => None,
         }
     }

@@ -94,18 +94,20 @@ pub fn describe(m: &Registry) {
     m.describe("agent_epoch", "gauge", "The agent's current epoch");
 }
 
-/// `GET /readyz`: Redis answers.
+/// `GET /readyz`: Redis answers and runs with `maxmemory-policy noeviction`.
 #[utoipa::path(
     get,
     path = "/readyz",
     responses(
-        (status = 200, description = "Redis answers"),
-        (status = 503, description = "store_unavailable", body = quota_shared::wire::ErrorBody),
+        (status = 200, description = "Redis answers and its maxmemory-policy is noeviction"),
+        (status = 503, description = "store_unavailable: Redis does not answer, or its eviction policy is not noeviction (the message names it) or not read yet", body = quota_shared::wire::ErrorBody),
     ),
     tag = "agent"
 )]
 pub(crate) async fn readyz(State(app): State<AppState>) -> impl IntoResponse {
-    if app.store.ping().await {
+    if let Some(reason) = app.guard.verdict().refusal() {
+        (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"error": "store_unavailable", "message": reason})))
+    } else if app.store.ping().await {
         (StatusCode::OK, Json(json!({"status": "ready"})))
     } else {
         (

@@ -10,8 +10,12 @@
 //!
 //! * [`config`]: flags and environment variables.
 //! * [`keys`]: the one audited key function (hash-tagged, length-prefixed).
-//! * [`store`]: the Redis connection (single or cluster), timeouts, the Lua
-//!   scripts of `lua/*.lua`.
+//! * [`store`]: the Redis connection (single, cluster or through Sentinel),
+//!   timeouts, the Lua scripts of `lua/*.lua`.
+//! * [`sentinel`]: the primary found through Sentinel, looked up again
+//!   after a failover.
+//! * [`guard`]: the eviction policy check (admit only from a `noeviction`
+//!   Redis).
 //! * [`client`], [`breaker`]: the allocator client with timeouts, capped
 //!   exponential backoff with jitter and a circuit breaker.
 //! * [`epoch`]: registration, epochs and fences (I4).
@@ -88,6 +92,22 @@
 //!   the instant the request was sent); both are relative Redis TTLs, so no
 //!   two hosts' clocks are ever compared (I2). A request arriving in the few
 //!   milliseconds between the two waits for the next window's lease.
+//! * **Eviction policy**: the agent admits only while the region's Redis
+//!   reports `maxmemory-policy noeviction` (any other policy may drop a
+//!   counter or fence and let a token be spent twice). It reads the policy
+//!   before serving, every `--redis-policy-check-ms` (5 s), and at once
+//!   after a Sentinel failover; until the first successful read it does not
+//!   admit. Otherwise `POST /v1/acquire` answers `503 store_unavailable`
+//!   and `/readyz` 503, both with a message naming the policy and the fix,
+//!   logged once per change. A failed read keeps the last verdict.
+//! * **Sentinel**: with `--redis-sentinel` and `--redis-master` the agent
+//!   asks the Sentinels for the primary and asks again after a connection
+//!   error, a timeout or a `READONLY`/`MASTERDOWN` answer; one lookup at a
+//!   time, at most one per 100 ms after a failure, each within the Redis
+//!   timeout. A call is not retried on the new primary (its outcome on the
+//!   old one is unknown); the request answers 503 and the next one reaches
+//!   the new primary. What the promoted replica had not received is a
+//!   rollback, detected by the spend script.
 //! * The agent's own endpoints have no authentication (it is a sidecar);
 //!   it warns when listening on a non-loopback address.
 
@@ -98,11 +118,13 @@ pub mod config;
 pub mod epoch;
 pub mod error;
 pub mod fallback;
+pub mod guard;
 pub mod health;
 pub mod keys;
 pub mod outbox;
 pub mod quotas;
 pub mod renew;
+pub mod sentinel;
 pub mod spend;
 pub mod store;
 
@@ -147,6 +169,8 @@ pub struct App {
     /// The allocator's clock as its last grant answer showed it, and the
     /// monotonic instant that answer arrived (see [`App::allocator_now`]).
     alloc_time: Mutex<Option<(chrono::DateTime<chrono::Utc>, std::time::Instant)>>,
+    /// Whether the region's Redis may be trusted to keep keys (eviction policy).
+    pub guard: guard::Guard,
     /// Stops the background tasks.
     pub cancel: CancellationToken,
     tasks: Mutex<Vec<JoinHandle<()>>>,
@@ -158,7 +182,13 @@ pub type AppState = Arc<App>;
 impl App {
     /// Connects the clients (Redis lazily for a single server).
     pub async fn new(settings: Settings) -> Result<AppState, String> {
-        let store = Store::connect(&settings.redis, settings.redis_cluster, settings.redis_timeout).await?;
+        let store = Store::connect(
+            &settings.redis,
+            settings.redis_cluster,
+            settings.sentinel.as_ref(),
+            settings.redis_timeout,
+        )
+        .await?;
         let alloc = AllocatorClient::new(
             &settings.allocator,
             settings.agent_token.clone(),
@@ -166,6 +196,7 @@ impl App {
         )?;
         let metrics = Registry::default();
         health::describe(&metrics);
+        guard::describe(&metrics);
         let clock: Arc<dyn Clock> = match settings.test_clock_offset_ms {
             0 => Arc::new(SystemClock),
             ms => {
@@ -186,6 +217,7 @@ impl App {
             local: fallback::LocalFallback::default(),
             unknown: quotas::Unknown::default(),
             alloc_time: Mutex::new(None),
+            guard: guard::Guard::default(),
             cancel: CancellationToken::new(),
             tasks: Mutex::new(Vec::new()),
         }))
@@ -297,6 +329,10 @@ pub async fn run(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     boot(&app).await;
+    // Read the eviction policy before serving, so a correctly configured
+    // Redis admits from the first request (see `guard`).
+    guard::check(&app).await;
+    app.spawn(guard::run(app.clone()));
     app.spawn(epoch::run(app.clone()));
     app.spawn(outbox::run(app.clone()));
     let served = axum::serve(listener, router(app.clone())).with_graceful_shutdown(shutdown).await;

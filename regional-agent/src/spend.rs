@@ -190,6 +190,8 @@ async fn wait_renewal(q: &Quota, d: Duration) {
 
 /// Makes the decision for a valid request.
 async fn decide(app: &AppState, req: &AcquireRequest, policy_out: &mut Option<PolicyInfo>) -> Result<Admit> {
+    // Nothing is decided on a Redis that may evict the agent's keys (see `guard`).
+    app.guard.admit()?;
     if app.unknown.contains(&req.tenant, &req.resource) {
         return Err(Error::UnknownQuota(format!("{}/{}", req.tenant, req.resource)));
     }

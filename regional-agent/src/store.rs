@@ -1,5 +1,6 @@
 //! The region's Redis: one connection (a reconnecting manager for a single
-//! server, a cluster connection for Redis Cluster), every call bounded by a
+//! server, a cluster connection for Redis Cluster, or the primary found
+//! through Sentinel, see [`crate::sentinel`]), every call bounded by a
 //! timeout, and the Lua scripts loaded once from `lua/*.lua` (EVALSHA, with
 //! a reload on NOSCRIPT done by `redis::Script`).
 //!
@@ -7,10 +8,13 @@
 //! result means the agent cannot decide, which is `503 store_unavailable`
 //! (or the opt-in local fallback) on the request path.
 
+use crate::config::SentinelSettings;
+use crate::sentinel::Primary;
 use redis::aio::ConnectionManager;
 use redis::cluster_async::ClusterConnection;
 use redis::{FromRedisValue, Script, ScriptInvocation, Value};
-use std::sync::LazyLock;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
 /// The prelude shared by the scripts (see `lua/prelude.lua`): lease scan,
@@ -53,6 +57,8 @@ pub enum StoreError {
 enum Conn {
     Single(ConnectionManager),
     Cluster(ClusterConnection),
+    /// Looked up through Sentinel, and again after a failover.
+    Sentinel(Arc<Primary>),
 }
 
 /// A handle on the region's Redis; cheap to clone.
@@ -65,7 +71,24 @@ pub struct Store {
 impl Store {
     /// Connects to one server (lazily: the agent starts and reports
     /// not-ready while Redis is down) or to a cluster (seed nodes).
-    pub async fn connect(urls: &[String], cluster: bool, timeout: Duration) -> Result<Store, String> {
+    pub async fn connect(
+        urls: &[String],
+        cluster: bool,
+        sentinel: Option<&SentinelSettings>,
+        timeout: Duration,
+    ) -> Result<Store, String> {
+        if let Some(s) = sentinel {
+            // REDIS_URL, when given with Sentinel, only lends its credentials.
+            let node = match urls.first() {
+                Some(u) => Some(
+                    redis::IntoConnectionInfo::into_connection_info(u.as_str())
+                        .map_err(|e| format!("REDIS_URL is not a valid Redis URL: {e}"))?,
+                ),
+                None => None,
+            };
+            let primary = Primary::new(&s.nodes, &s.master, node.as_ref(), timeout)?;
+            return Ok(Store { conn: Conn::Sentinel(Arc::new(primary)), timeout });
+        }
         if cluster {
             let client = redis::cluster::ClusterClientBuilder::new(urls.to_vec())
                 .connection_timeout(timeout)
@@ -92,32 +115,91 @@ impl Store {
         Ok(Store { conn: Conn::Single(conn), timeout })
     }
 
-    /// Runs a script invocation (EVALSHA; SCRIPT LOAD and retry on NOSCRIPT).
+    /// Runs a script invocation (EVALSHA; SCRIPT LOAD and retry on NOSCRIPT,
+    /// which is what a new primary after a failover answers first).
     pub async fn eval<T: FromRedisValue>(&self, inv: &ScriptInvocation<'_>) -> Result<T, StoreError> {
+        // The Sentinel connection's generation this call used, so that a
+        // timeout gives up that connection and not a newer one.
+        let used = AtomicU64::new(0);
         let fut = async {
             match self.conn.clone() {
                 Conn::Single(mut c) => inv.invoke_async(&mut c).await,
                 Conn::Cluster(mut c) => inv.invoke_async(&mut c).await,
+                Conn::Sentinel(p) => {
+                    let (gen, mut c) = p.connection().await?;
+                    used.store(gen, Ordering::SeqCst);
+                    let r = inv.invoke_async(&mut c).await;
+                    p.observe(gen, &r);
+                    r
+                }
             }
         };
-        tokio::time::timeout(self.timeout, fut)
-            .await
-            .map_err(|_| StoreError::Timeout(self.timeout))?
-            .map_err(Into::into)
+        self.bounded(fut, &used).await
     }
 
     /// Runs one command.
     pub async fn cmd<T: FromRedisValue>(&self, cmd: &redis::Cmd) -> Result<T, StoreError> {
+        let used = AtomicU64::new(0);
         let fut = async {
             match self.conn.clone() {
                 Conn::Single(mut c) => cmd.query_async(&mut c).await,
                 Conn::Cluster(mut c) => cmd.query_async(&mut c).await,
+                Conn::Sentinel(p) => {
+                    let (gen, mut c) = p.connection().await?;
+                    used.store(gen, Ordering::SeqCst);
+                    let r = cmd.query_async(&mut c).await;
+                    p.observe(gen, &r);
+                    r
+                }
             }
         };
-        tokio::time::timeout(self.timeout, fut)
-            .await
-            .map_err(|_| StoreError::Timeout(self.timeout))?
-            .map_err(Into::into)
+        self.bounded(fut, &used).await
+    }
+
+    /// Bounds a call by the timeout; a Sentinel connection that did not
+    /// answer in time is given up (the primary may be gone without a reset).
+    async fn bounded<T>(
+        &self,
+        fut: impl std::future::Future<Output = redis::RedisResult<T>>,
+        used: &AtomicU64,
+    ) -> Result<T, StoreError> {
+        match tokio::time::timeout(self.timeout, fut).await {
+            Ok(r) => r.map_err(Into::into),
+            Err(_) => {
+                if let Conn::Sentinel(p) = &self.conn {
+                    p.forget(used.load(Ordering::SeqCst), "timeout");
+                }
+                Err(StoreError::Timeout(self.timeout))
+            }
+        }
+    }
+
+    /// Whether this store follows a primary through Sentinel.
+    pub fn is_sentinel(&self) -> bool {
+        matches!(self.conn, Conn::Sentinel(_))
+    }
+
+    /// Whether this store is a Redis Cluster (commands without a key go to
+    /// every primary, answered as a map by node).
+    pub fn is_cluster(&self) -> bool {
+        matches!(self.conn, Conn::Cluster(_))
+    }
+
+    /// Resolves when a Sentinel lookup found the primary again (never for
+    /// the other kinds).
+    pub async fn primary_changed(&self) {
+        match &self.conn {
+            Conn::Sentinel(p) => p.changed.notified().await,
+            _ => std::future::pending().await,
+        }
+    }
+
+    /// Gives up the Sentinel connection in use (the server it reaches says
+    /// it is a replica now); nothing for the other kinds.
+    pub fn forget_primary(&self, why: &str) {
+        if let Conn::Sentinel(p) = &self.conn {
+            p.forget(p.generation(), why);
+        }
     }
 
     /// `PING`, for readiness.

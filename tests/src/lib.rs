@@ -7,9 +7,10 @@
 //!   template, copied per test, free loopback port, run as an unprivileged
 //!   user when the tests run as root), or `DATABASE_URL` with a fresh
 //!   database per test, or a Docker container when neither is possible.
-//! * [`redis`]: an ephemeral `redis-server` per test (no persistence), or
-//!   `REDIS_URL` with a key prefix per test.
+//! * [`redis`]: an ephemeral `redis-server` per test (no persistence, extra
+//!   arguments on demand), or `REDIS_URL` with a key prefix per test.
 //! * [`redis_cluster`]: an ephemeral local 3-master Redis Cluster per test.
+//! * [`sentinel`]: an ephemeral primary, replica and Sentinel per test.
 //! * [`procs`]: child processes that die with the test, also on panic.
 //! * [`app`]: the allocator started in process on a free port.
 //! * [`http`]: a JSON client that returns status, headers and body.
@@ -23,6 +24,7 @@ pub mod pg;
 pub mod procs;
 pub mod redis;
 pub mod redis_cluster;
+pub mod sentinel;
 pub mod wait;
 
 /// A loopback port that was free a moment ago.

@@ -18,6 +18,8 @@ pub struct TestRedis {
     child: Option<Child>,
     dir: Option<tempfile::TempDir>,
     _container: Option<Container>,
+    /// Extra `redis-server` arguments, kept for a restart.
+    args: Vec<String>,
 }
 
 fn ping(port: u16) -> bool {
@@ -27,13 +29,37 @@ fn ping(port: u16) -> bool {
     s.write_all(b"PING\r\n").is_ok() && s.read_exact(&mut buf).is_ok() && &buf == b"+PONG\r\n"
 }
 
+/// Waits until the server on `port` answers PING; panics with its log if
+/// `child` exits first or after 20 s.
+pub(crate) fn wait_ping(port: u16, mut child: Option<&mut Child>, dir: &std::path::Path) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !ping(port) {
+        if let Some(s) = child.as_mut().and_then(|c| c.try_wait()) {
+            panic!(
+                "redis-server exited: {s}: {}",
+                std::fs::read_to_string(dir.join("redis.log")).unwrap_or_default()
+            );
+        }
+        assert!(Instant::now() < deadline, "redis-server on port {port} not ready");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
 impl TestRedis {
     /// Starts (or names) a Redis for one test; panics with the reason when
     /// none can be had.
     pub fn start() -> TestRedis {
         let prefix = format!("t{}", uuid::Uuid::new_v4().simple());
         if let Ok(url) = std::env::var("REDIS_URL") {
-            return TestRedis { url, prefix, port: 0, child: None, dir: None, _container: None };
+            return TestRedis {
+                url,
+                prefix,
+                port: 0,
+                child: None,
+                dir: None,
+                _container: None,
+                args: Vec::new(),
+            };
         }
         if let Some(bin) = procs::find_binary("redis-server", &[]) {
             let dir = tempfile::tempdir().expect("temp dir");
@@ -44,6 +70,7 @@ impl TestRedis {
                 child: None,
                 dir: Some(dir),
                 _container: None,
+                args: Vec::new(),
             };
             r.spawn(&bin);
             return r;
@@ -62,9 +89,30 @@ impl TestRedis {
                 child: None,
                 dir: None,
                 _container: Some(c),
+                args: Vec::new(),
             };
         }
         panic!("no REDIS_URL, no redis-server binary (apt-get install redis-server) and no Docker engine");
+    }
+
+    /// Starts a local `redis-server` of the test's own with extra
+    /// arguments (e.g. `--maxmemory-policy allkeys-lru`), even when
+    /// `REDIS_URL` names a shared server: the test changes the server's
+    /// configuration.
+    pub fn start_local(args: &[&str]) -> TestRedis {
+        let bin = procs::find_binary("redis-server", &[])
+            .expect("no redis-server binary (apt-get install redis-server)");
+        let mut r = TestRedis {
+            url: String::new(),
+            prefix: format!("t{}", uuid::Uuid::new_v4().simple()),
+            port: crate::free_port(),
+            child: None,
+            dir: Some(tempfile::tempdir().expect("temp dir")),
+            _container: None,
+            args: args.iter().map(|a| a.to_string()).collect(),
+        };
+        r.spawn(&bin);
+        r
     }
 
     fn spawn(&mut self, bin: &PathBuf) {
@@ -81,21 +129,12 @@ impl TestRedis {
             "no",
         ])
         .arg("--dir")
-        .arg(&dir);
+        .arg(&dir)
+        .args(&self.args);
         self.child = Some(
             Child::spawn("redis-server", cmd, &dir.join("redis.log"), None).expect("spawn redis-server"),
         );
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while !ping(self.port) {
-            if let Some(s) = self.child.as_mut().and_then(|c| c.try_wait()) {
-                panic!(
-                    "redis-server exited: {s}: {}",
-                    std::fs::read_to_string(dir.join("redis.log")).unwrap_or_default()
-                );
-            }
-            assert!(Instant::now() < deadline, "redis-server not ready");
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        wait_ping(self.port, self.child.as_mut(), &dir);
         self.url = format!("redis://127.0.0.1:{}", self.port);
     }
 

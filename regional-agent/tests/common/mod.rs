@@ -31,6 +31,12 @@ impl World {
         World { stack: Stack::start().await, redis: TestRedis::start(), cluster: None }
     }
 
+    /// PostgreSQL, the allocator and the given Redis (e.g. one started with
+    /// extra arguments).
+    pub async fn start_with_redis(redis: TestRedis) -> World {
+        World { stack: Stack::start().await, redis, cluster: None }
+    }
+
     /// PostgreSQL, the allocator and a local 3-master Redis Cluster the
     /// agents are pointed at (as a comma-separated node list).
     pub async fn start_cluster() -> World {
