@@ -46,6 +46,12 @@ fn bench_smoke_writes_a_report_with_every_headline_key() {
         let v = results[key].as_f64().unwrap_or_else(|| panic!("{key} missing in {results}"));
         assert!(v.is_finite() && v >= 0.0, "{key} = {v}");
     }
+    // The agent's memory per known quota is measured over quotas it really
+    // holds (50 learned in a smoke run, plus the bench's own).
+    let held = results["scaling.agent_quotas_held"].as_f64().unwrap_or(0.0);
+    assert!(held >= 51.0, "the agent holds {held} quotas after learning 50 more");
+    let kib = results["scaling.agent_kib_per_quota"].as_f64().unwrap_or(-1.0);
+    assert!(kib.is_finite() && kib >= 0.0, "agent KiB per quota = {kib}");
     // A smoke run does not build the peer (RocksDB); the report must say so
     // instead of carrying the key.
     assert!(results.get("acquire.c16.ratio_to_limitador").is_none(), "smoke run measured the peer");

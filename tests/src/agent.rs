@@ -116,6 +116,11 @@ impl AgentProc {
         self.child.take().and_then(|mut c| c.stop(sig, Duration::from_secs(10)))
     }
 
+    /// The process id of the running agent (for its RSS), if it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(|c| c.pid())
+    }
+
     /// Sends `sig` without waiting (SIGSTOP / SIGCONT of a paused agent).
     pub fn signal(&self, sig: i32) {
         if let Some(c) = &self.child {

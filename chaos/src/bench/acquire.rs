@@ -226,11 +226,75 @@ pub async fn run(rig: &Rig, plan: &Plan, out: &mut Results, progress: &dyn Fn(&s
         }
     }
 
+    agent_memory_per_quota(rig, plan, &agent, &http, out, progress).await?;
+
     progress("scaling: Redis memory of one quota");
     let keys = quota_memory(&mut conn.clone(), &prefix).await?;
     out.set("scaling.redis_bytes_per_quota", keys.iter().map(|(_, n)| *n as f64).sum());
     let parts: Vec<String> = keys.iter().map(|(k, n)| format!("{k} {n} B")).collect();
     out.note(format!("Redis keys of the bench quota after the acquire runs: {}", parts.join(", ")));
+    Ok(())
+}
+
+/// Quotas the agent is made to hold for the memory figure (fewer in a smoke run).
+fn memory_quotas(plan: &Plan) -> usize {
+    if plan.mode == "smoke" {
+        50
+    } else {
+        1_000
+    }
+}
+
+/// The agent's memory per known quota (issue 14: no fixed cap on known
+/// quotas, so the cost of each is measured): RSS before and after the agent
+/// learns `n` more quotas (one policy and one admit each), divided by `n`,
+/// beside the `agent_quotas` gauge that says how many it holds.
+async fn agent_memory_per_quota(
+    rig: &Rig,
+    plan: &Plan,
+    agent: &quota_tests::agent::AgentProc,
+    http: &reqwest::Client,
+    out: &mut Results,
+    progress: &dyn Fn(&str),
+) -> Result<(), String> {
+    let n = memory_quotas(plan);
+    progress(&format!("scaling: agent memory with {n} more quotas"));
+    let pid = agent.pid().ok_or("the bench agent is not running")?;
+    let before = super::machine::rss_mb(pid)?;
+    for i in 0..n {
+        let resource = format!("mem-{i}");
+        quota_tests::fixtures::put_policy(
+            &rig.admin,
+            TENANT,
+            &resource,
+            json!({"limit": 1000, "window_secs": 3600}),
+        )
+        .await;
+        let r = http
+            .post(format!("{}/v1/acquire", agent.base))
+            .json(&json!({"tenant": TENANT, "resource": resource}))
+            .send()
+            .await
+            .map_err(|e| format!("acquire {resource}: {e}"))?;
+        if r.status().as_u16() != 200 {
+            return Err(format!("acquire {resource} answered {}", r.status()));
+        }
+    }
+    let after = super::machine::rss_mb(pid)?;
+    let text = http
+        .get(format!("{}/metrics", agent.base))
+        .send()
+        .await
+        .map_err(|e| format!("agent /metrics: {e}"))?
+        .text()
+        .await
+        .map_err(|e| format!("agent /metrics: {e}"))?;
+    let held = quota_tests::http::metric(&text, "agent_quotas").unwrap_or(0.0);
+    out.set("scaling.agent_quotas_held", held);
+    out.set("scaling.agent_kib_per_quota", ((after - before) * 1024.0 / n as f64).max(0.0));
+    out.note(format!(
+        "agent RSS {before:.1} MiB → {after:.1} MiB after learning {n} more quotas (agent_quotas = {held})"
+    ));
     Ok(())
 }
 

@@ -186,6 +186,13 @@ pub fn markdown(plan: &Plan, m: &Machine, r: &Results, targets: &[TargetRow]) ->
         "Redis bytes per quota (MEMORY USAGE, summed over its keys)".into(),
         v(r, "scaling.redis_bytes_per_quota"),
     ));
+    rows.push((
+        format!(
+            "agent KiB per known quota (RSS growth over learned quotas; holds {})",
+            v(r, "scaling.agent_quotas_held")
+        ),
+        v(r, "scaling.agent_kib_per_quota"),
+    ));
     for n in &plan.scaling_quotas {
         let k = |x: &str| format!("scaling.q{n}.{x}");
         rows.push((format!("{n} quotas: allocator RSS MiB"), v(r, &k("allocator_rss_mb"))));
