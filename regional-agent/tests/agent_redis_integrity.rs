@@ -204,15 +204,23 @@ async fn unknown_quota_names_leave_nothing_behind() {
     let mut a = w.agent("eu", "eu-1", None, &[]).await;
     assert_eq!(acquire(&a.http, "atlas", "real").await.status, 200);
     let before = keys(&w.redis.url).await.len();
-    let names = 5_000;
+    let names = 3_000;
     let mut tasks = Vec::new();
-    for c in 0..8 {
+    for c in 0..4 {
         let http = a.http.clone();
         tasks.push(tokio::spawn(async move {
-            for i in (c..names).step_by(8) {
-                let r = http
-                    .post("/v1/acquire", &json!({"tenant": "churn", "resource": format!("typo-{i}")}))
-                    .await;
+            for i in (c..names).step_by(4) {
+                let body = json!({"tenant": "churn", "resource": format!("typo-{i}")});
+                // On a loaded machine the one grant that tells the agent the
+                // name is unknown may time out (503, nothing decided); the
+                // name must still end in 404 and leave nothing behind.
+                let mut r = http.post("/v1/acquire", &body).await;
+                for _ in 0..5 {
+                    if (r.status, r.error()) != (503, "allocator_unreachable") {
+                        break;
+                    }
+                    r = http.post("/v1/acquire", &body).await;
+                }
                 assert_eq!((r.status, r.error()), (404, "unknown_quota"), "{}", r.body);
             }
         }));

@@ -281,14 +281,7 @@ async fn agent_memory_per_quota(
         }
     }
     let after = super::machine::rss_mb(pid)?;
-    let text = http
-        .get(format!("{}/metrics", agent.base))
-        .send()
-        .await
-        .map_err(|e| format!("agent /metrics: {e}"))?
-        .text()
-        .await
-        .map_err(|e| format!("agent /metrics: {e}"))?;
+    let text = agent_metrics(http, &agent.base).await?;
     let held = quota_tests::http::metric(&text, "agent_quotas").unwrap_or(0.0);
     out.set("scaling.agent_quotas_held", held);
     out.set("scaling.agent_kib_per_quota", ((after - before) * 1024.0 / n as f64).max(0.0));
@@ -322,16 +315,20 @@ struct Stages {
     decisions_per_run: f64,
 }
 
+/// The agent's `/metrics` text.
+async fn agent_metrics(http: &reqwest::Client, base: &str) -> Result<String, String> {
+    http.get(format!("{base}/metrics"))
+        .send()
+        .await
+        .map_err(|e| format!("agent /metrics: {e}"))?
+        .text()
+        .await
+        .map_err(|e| format!("agent /metrics: {e}"))
+}
+
 impl StageSums {
     async fn read(http: &reqwest::Client, base: &str) -> Result<StageSums, String> {
-        let text = http
-            .get(format!("{base}/metrics"))
-            .send()
-            .await
-            .map_err(|e| format!("agent /metrics: {e}"))?
-            .text()
-            .await
-            .map_err(|e| format!("agent /metrics: {e}"))?;
+        let text = agent_metrics(http, base).await?;
         let value = |name: &str| {
             quota_tests::http::metric(&text, name).ok_or_else(|| format!("agent /metrics has no {name}"))
         };

@@ -143,13 +143,7 @@ pub async fn redis_restart(p: &Profile, bins: Bins) -> Result<ScenarioReport, St
     // What Redis held and the outbox had not yet sent is gone with it: at
     // most the admits of two outbox intervals (200 ms each) of eu's rate.
     let allowed = (p.rate(EU) * 0.4).ceil() as i64;
-    let fmt = |t: i64| {
-        let ws = t.div_euclid(p.window_secs) * p.window_secs;
-        chrono::DateTime::from_timestamp(ws, 0)
-            .unwrap_or_default()
-            .to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
-    };
-    run.lost_allowance = Some((fmt(at - 1), fmt(at + 1), allowed));
+    run.allow_loss_between(at - 1, at + 1, allowed);
     run.note(format!(
         "the allocator may count up to {allowed} admits fewer around the loss (see README limits)"
     ));

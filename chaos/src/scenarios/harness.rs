@@ -152,6 +152,19 @@ impl Run {
         self.notes.push(what.into());
     }
 
+    /// Allows the allocator to count up to `n` admits fewer than the clients
+    /// in the windows from the one holding `from` to the one holding `to`
+    /// (Unix s): a documented data loss happened between them.
+    pub fn allow_loss_between(&mut self, from: i64, to: i64, n: i64) {
+        let w = self.p.window_secs;
+        let fmt = |t: i64| {
+            chrono::DateTime::from_timestamp(t.div_euclid(w) * w, 0)
+                .unwrap_or_default()
+                .to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
+        };
+        self.lost_allowance = Some((fmt(from), fmt(to), n));
+    }
+
     /// The bound the policy documents for a window (I6).
     pub fn bound(&self) -> i64 {
         if self.strict {

@@ -70,13 +70,7 @@ pub async fn redis_rollback(p: &Profile, bins: Bins) -> Result<ScenarioReport, S
     // reported since), and what Redis held unsent at the crash is lost, each
     // at most two outbox intervals (200 ms) of eu's rate.
     let allowed = (p.rate(EU) * 0.8).ceil() as i64;
-    let fmt = |t: i64| {
-        let ws = t.div_euclid(p.window_secs) * p.window_secs;
-        chrono::DateTime::from_timestamp(ws, 0)
-            .unwrap_or_default()
-            .to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
-    };
-    run.lost_allowance = Some((fmt(saved - 1), fmt(at + 1), allowed));
+    run.allow_loss_between(saved - 1, at + 1, allowed);
     run.note(format!(
         "the allocator may count up to {allowed} admits fewer around the rollback (README limits)"
     ));
