@@ -1,6 +1,7 @@
 //! The allocator started in process on a free loopback port over a test
 //! database, stopped (gracefully) when dropped or by [`TestAllocator::stop`].
 
+pub use allocator::http::agent_tokens::AgentTokens;
 pub use allocator::tls::TlsFiles;
 use allocator::AppState;
 use quota_shared::clock::Clock;
