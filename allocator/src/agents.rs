@@ -3,6 +3,7 @@
 //! PostgreSQL, so it survives allocator restarts and concurrent registrations
 //! serialise on the row.
 
+use crate::http::auth::AgentScope;
 use crate::http::extract::{check_id, ApiJson};
 use crate::ledger::{self, Kind, NewEvent};
 use crate::{AppState, Error, Result};
@@ -26,6 +27,7 @@ pub fn router() -> Router<AppState> {
     responses(
         (status = 200, description = "The new epoch", body = RegisterResponse),
         (status = 401, description = "Missing or wrong agent token", body = ErrorBody),
+        (status = 403, description = "wrong_region: the credential acts only for another region", body = ErrorBody),
         (status = 422, description = "Invalid identifier", body = ErrorBody),
     ),
     security(("agent_token" = [])),
@@ -33,11 +35,17 @@ pub fn router() -> Router<AppState> {
 )]
 pub(crate) async fn register(
     State(state): State<AppState>,
+    scope: AgentScope,
     ApiJson(req): ApiJson<RegisterRequest>,
 ) -> Result<Json<RegisterResponse>> {
     check_id("region", &req.region)?;
     check_id("agent", &req.agent)?;
     let now = state.clock.now_utc();
+    if let Err(e) = scope.check(&req.region) {
+        let event = NewEvent { region: Some(req.region), agent: Some(req.agent), ..Default::default() };
+        record_refusal(&state.db, now, &e, event).await?;
+        return Err(e);
+    }
     let mut tx = state.db.begin().await?;
     let epoch: i64 = sqlx::query_scalar(include_str!("sql/agent_register.sql"))
         .bind(&req.region)
@@ -86,11 +94,19 @@ pub async fn fence(conn: &mut PgConnection, region: &str, agent: &str, epoch: i6
     }
 }
 
-/// Records a refusal of a fenced request in the ledger (in its own
-/// transaction) when the error is one the ledger tracks.
+/// Records a refusal of a fenced or region-bound request in the ledger (in
+/// its own transaction) when the error is one the ledger tracks.
 pub async fn record_refusal(db: &PgPool, at: DateTime<Utc>, err: &Error, event: NewEvent) -> Result<()> {
-    if matches!(err, Error::StaleEpoch { .. } | Error::IdempotencyMismatch(_)) {
-        ledger::append_refusal(db, at, NewEvent { reason: Some(err.code().to_string()), ..event }).await?;
+    if matches!(err, Error::StaleEpoch { .. } | Error::IdempotencyMismatch(_) | Error::WrongRegion { .. }) {
+        // The region the credential was bound to, next to the one asked for.
+        let detail = match err {
+            Error::WrongRegion { allowed, .. } if event.detail.is_none() => {
+                Some(serde_json::json!({"credential_regions": allowed}))
+            }
+            _ => event.detail.clone(),
+        };
+        ledger::append_refusal(db, at, NewEvent { reason: Some(err.code().to_string()), detail, ..event })
+            .await?;
     }
     Ok(())
 }

@@ -1,8 +1,10 @@
 //! Configuration: every flag is also an environment variable (DESIGN §5).
 
+use crate::tls::TlsFiles;
 use clap::Parser;
 pub use quota_shared::telemetry::LogFormat;
 use std::net::SocketAddr;
+use std::path::PathBuf;
 
 /// The central allocator.
 #[derive(Debug, Clone, Parser)]
@@ -40,4 +42,65 @@ pub struct Config {
     /// `text` or `json`.
     #[arg(long, env = "LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
+
+    /// PEM certificate chain to serve HTTPS with (needs --tls-key);
+    /// reloaded when the file changes or on SIGHUP. Without it: plain HTTP.
+    #[arg(long, env = "ALLOCATOR_TLS_CERT")]
+    pub tls_cert: Option<PathBuf>,
+
+    /// PEM private key of --tls-cert.
+    #[arg(long, env = "ALLOCATOR_TLS_KEY")]
+    pub tls_key: Option<PathBuf>,
+
+    /// PEM CA certificates; when given, every client must present a
+    /// certificate signed by one of them (mTLS). A SAN `region:<r>` limits
+    /// the connection to region r.
+    #[arg(long, env = "ALLOCATOR_TLS_CLIENT_CA")]
+    pub tls_client_ca: Option<PathBuf>,
+
+    /// File of per-region agent tokens, one "region token" per line (`#`
+    /// comments); a token acts only for its region. Re-read when it changes.
+    #[arg(long, env = "QUOTA_AGENT_TOKENS_FILE")]
+    pub agent_tokens_file: Option<PathBuf>,
+}
+
+/// An empty variable counts as not set.
+fn non_empty(v: &Option<String>) -> Option<String> {
+    v.clone().filter(|s| !s.trim().is_empty())
+}
+
+/// An empty path counts as not set.
+fn path(p: &Option<PathBuf>) -> Option<PathBuf> {
+    p.clone().filter(|p| !p.as_os_str().is_empty())
+}
+
+impl Config {
+    /// `QUOTA_AGENT_TOKEN`, unless empty.
+    pub fn agent_token(&self) -> Option<String> {
+        non_empty(&self.agent_token)
+    }
+
+    /// `QUOTA_ADMIN_TOKEN`, unless empty.
+    pub fn admin_token(&self) -> Option<String> {
+        non_empty(&self.admin_token)
+    }
+
+    /// `QUOTA_AGENT_TOKENS_FILE`, unless empty.
+    pub fn agent_tokens_file(&self) -> Option<PathBuf> {
+        path(&self.agent_tokens_file)
+    }
+
+    /// The TLS files, or `None` for plain HTTP; a certificate without its
+    /// key (or a key or client CA without a certificate) is an error.
+    pub fn tls_files(&self) -> Result<Option<TlsFiles>, String> {
+        match (path(&self.tls_cert), path(&self.tls_key)) {
+            (Some(cert), Some(key)) => Ok(Some(TlsFiles { cert, key, client_ca: path(&self.tls_client_ca) })),
+            (None, None) if path(&self.tls_client_ca).is_none() => Ok(None),
+            (None, None) => {
+                Err("ALLOCATOR_TLS_CLIENT_CA needs ALLOCATOR_TLS_CERT and ALLOCATOR_TLS_KEY".into())
+            }
+            _ => Err("ALLOCATOR_TLS_CERT and ALLOCATOR_TLS_KEY must be set together (--tls-cert, --tls-key)"
+                .into()),
+        }
+    }
 }

@@ -1,5 +1,5 @@
 //! The allocator's one error enum and its mapping to HTTP (DESIGN §5):
-//! 400 malformed JSON, 401 token, 404 unknown quota or lease, 409 stale epoch
+//! 400 malformed JSON, 401 token, 403 credential of another region, 404 unknown quota or lease, 409 stale epoch
 //! or idempotency mismatch, 412 version precondition, 413 body too large,
 //! 422 invalid value, 503 database unavailable. Internal errors are logged
 //! with their cause and answered without detail.
@@ -24,6 +24,10 @@ pub enum Error {
     /// Missing or wrong bearer token.
     #[error("missing or invalid bearer token")]
     Unauthorized,
+    /// A region-bound credential (tokens-file token or client certificate)
+    /// used for another region.
+    #[error("this credential acts only for region {allowed}, not {requested}")]
+    WrongRegion { allowed: String, requested: String },
     /// A field has an invalid value; the message names the field.
     #[error("{field}: {message}")]
     InvalidField { field: String, message: String },
@@ -71,6 +75,7 @@ impl Error {
             Error::MalformedJson(_) => StatusCode::BAD_REQUEST,
             Error::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             Error::Unauthorized => StatusCode::UNAUTHORIZED,
+            Error::WrongRegion { .. } => StatusCode::FORBIDDEN,
             Error::InvalidField { .. } => StatusCode::UNPROCESSABLE_ENTITY,
             Error::UnknownQuota(_) | Error::UnknownLease(_) | Error::UnknownAgent(_) | Error::NoRoute(_) => {
                 StatusCode::NOT_FOUND
@@ -89,6 +94,7 @@ impl Error {
             Error::MalformedJson(_) => "malformed_json",
             Error::UnsupportedMediaType(_) => "unsupported_media_type",
             Error::Unauthorized => "unauthorized",
+            Error::WrongRegion { .. } => "wrong_region",
             Error::InvalidField { .. } => "invalid_field",
             Error::UnknownQuota(_) => "unknown_quota",
             Error::UnknownLease(_) => "unknown_lease",

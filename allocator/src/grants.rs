@@ -7,6 +7,7 @@
 //! makes concurrent grants from any number of allocator replicas safe.
 
 use crate::agents;
+use crate::http::auth::AgentScope;
 use crate::http::extract::{check_count, check_id, ApiJson};
 use crate::leases::LeaseRow;
 use crate::ledger::{self, Kind, NewEvent};
@@ -66,6 +67,7 @@ enum Outcome {
     responses(
         (status = 200, description = "The lease (tokens may be 0 with retry_after_ms); a replay carries Idempotent-Replayed: true", body = GrantResponse),
         (status = 401, description = "Missing or wrong agent token", body = ErrorBody),
+        (status = 403, description = "wrong_region: the credential acts only for another region", body = ErrorBody),
         (status = 404, description = "Unknown quota or agent", body = ErrorBody),
         (status = 409, description = "stale_epoch or idempotency_mismatch", body = ErrorBody),
         (status = 422, description = "Invalid value; the message names the field", body = ErrorBody),
@@ -75,9 +77,15 @@ enum Outcome {
 )]
 pub(crate) async fn grant(
     State(state): State<AppState>,
+    scope: AgentScope,
     ApiJson(req): ApiJson<GrantRequest>,
 ) -> Result<(HeaderMap, Json<GrantResponse>)> {
     validate(&req)?;
+    if let Err(e) = scope.check(&req.region) {
+        state.metrics.inc("allocator_grants_total", &[("outcome", e.code())]);
+        agents::record_refusal(&state.db, state.clock.now_utc(), &e, event_of(&req, None, None)).await?;
+        return Err(e);
+    }
     let started = Instant::now();
     let mut attempts = 0;
     // Two requests with one key racing on different pools both miss the

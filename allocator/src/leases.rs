@@ -3,6 +3,7 @@
 //! I4) and `GET /v1/leases/{id}` with the lease's ledger events.
 
 use crate::agents;
+use crate::http::auth::AgentScope;
 use crate::http::extract::{check_count, ApiJson, ApiPath};
 use crate::ledger::{self, Kind, NewEvent};
 use crate::{AppState, Error, Result};
@@ -133,6 +134,7 @@ fn parse_lease_id(s: &str) -> Result<Uuid> {
     responses(
         (status = 200, description = "The lease with returned", body = LeaseView),
         (status = 401, description = "Missing or wrong agent token", body = ErrorBody),
+        (status = 403, description = "wrong_region: the credential acts only for another region (the lease's)", body = ErrorBody),
         (status = 404, description = "Unknown lease", body = ErrorBody),
         (status = 409, description = "stale_epoch or idempotency_mismatch", body = ErrorBody),
         (status = 422, description = "Invalid value; the message names the field", body = ErrorBody),
@@ -142,6 +144,7 @@ fn parse_lease_id(s: &str) -> Result<Uuid> {
 )]
 pub(crate) async fn release(
     State(state): State<AppState>,
+    scope: AgentScope,
     ApiPath(lease_id): ApiPath<String>,
     ApiJson(req): ApiJson<ReleaseRequest>,
 ) -> Result<Json<LeaseView>> {
@@ -149,7 +152,7 @@ pub(crate) async fn release(
     check_count("epoch", req.epoch, 1)?;
     check_count("unspent", req.unspent, 0)?;
     let now = state.clock.now_utc();
-    match try_release(&state, lease_id, &req, now).await {
+    match try_release(&state, &scope, lease_id, &req, now).await {
         Ok(view) => Ok(Json(view)),
         Err((e, Some(row))) => {
             let event = NewEvent {
@@ -173,6 +176,7 @@ pub(crate) async fn release(
 /// ledger entry.
 async fn try_release(
     state: &AppState,
+    scope: &AgentScope,
     lease_id: Uuid,
     req: &ReleaseRequest,
     now: DateTime<Utc>,
@@ -185,6 +189,8 @@ async fn try_release(
         .map_err(|e| (e.into(), None))?
         .ok_or_else(|| (Error::UnknownLease(lease_id.to_string()), None))?;
     let fail = |e: Error| (e, Some(row.clone()));
+    // The path names only the lease; the region it acts for is the lease's.
+    scope.check(&row.region).map_err(fail)?;
     // The sender's current epoch of the lease's agent: a restarted agent
     // releases its predecessor's leases under its new epoch.
     agents::fence(&mut tx, &row.region, &row.agent, req.epoch).await.map_err(fail)?;

@@ -113,7 +113,8 @@ pub struct Event {
     pub seq: Option<i64>,
     pub lease_id: Option<Uuid>,
     pub tokens: Option<i64>,
-    /// Why a request was refused (`stale_epoch`, `idempotency_mismatch`).
+    /// Why a request was refused (`stale_epoch`, `idempotency_mismatch`,
+    /// `wrong_region`).
     pub reason: Option<String>,
     #[schema(value_type = Option<Object>)]
     pub detail: Option<serde_json::Value>,

@@ -22,6 +22,8 @@
 //! * [`ui`]: the read-only HTML dashboard with SVG charts.
 //! * [`openapi`]: the OpenAPI document generated from the handlers.
 //! * [`health`]: liveness, readiness and metrics endpoints.
+//! * [`tls`]: HTTPS served by the allocator, certificates reloaded live.
+//! * [`reload`]: noticing changed configuration files (TLS, agent tokens).
 
 pub mod agents;
 pub mod config;
@@ -34,10 +36,12 @@ pub mod leases;
 pub mod ledger;
 pub mod openapi;
 pub mod policies;
+pub mod reload;
 pub mod reports;
 pub mod retention;
 pub mod share;
 pub mod telemetry;
+pub mod tls;
 pub mod ui;
 pub mod windows;
 
@@ -99,14 +103,63 @@ pub async fn connect(database_url: &str, max_connections: u32) -> Result<PgPool,
     Ok(pool)
 }
 
-/// Serves the allocator API on `listener` until `shutdown` resolves, then
-/// stops accepting and finishes in-flight requests.
+/// Serves the allocator API over plain HTTP on `listener` until `shutdown`
+/// resolves, then stops accepting and finishes in-flight requests.
 pub async fn run(
     listener: TcpListener,
     state: AppState,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, http::router(state)).with_graceful_shutdown(shutdown).await
+    run_with_tls(listener, state, None, shutdown).await
+}
+
+/// [`run`], over TLS when `tls` is given. While serving, changed TLS files
+/// and a changed agent tokens file are reloaded (polled every second, and
+/// at once on SIGHUP).
+pub async fn run_with_tls(
+    listener: TcpListener,
+    state: AppState,
+    tls: Option<Arc<tls::ServerTls>>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let reloader = tokio::spawn(reload_files(state.auth.regions.clone(), tls.clone()));
+    let router = http::router(state);
+    let served = match tls {
+        None => axum::serve(listener, router).with_graceful_shutdown(shutdown).await,
+        Some(tls) => tls::serve(listener, router, tls, shutdown).await,
+    };
+    reloader.abort();
+    served
+}
+
+/// The reload loop: poll the watched files, or reload them all on SIGHUP.
+async fn reload_files(
+    tokens: Option<Arc<http::agent_tokens::AgentTokens>>,
+    tls: Option<Arc<tls::ServerTls>>,
+) {
+    if tokens.is_none() && tls.is_none() {
+        return;
+    }
+    let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
+        .map_err(|e| tracing::warn!(error = %e, "cannot listen for SIGHUP; reloading on file changes only"))
+        .ok();
+    let mut tick = tokio::time::interval(reload::POLL_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        let force = tokio::select! {
+            _ = tick.tick() => false,
+            Some(()) = async { match hup.as_mut() { Some(h) => h.recv().await, None => std::future::pending().await } } => {
+                tracing::info!("SIGHUP: reloading TLS and agent tokens files");
+                true
+            }
+        };
+        if let Some(t) = &tls {
+            t.reload_if_changed(force);
+        }
+        if let Some(t) = &tokens {
+            t.reload_if_changed(force);
+        }
+    }
 }
 
 /// What the binary does: validate the configuration, connect, serve until a
@@ -115,15 +168,23 @@ pub async fn serve(config: config::Config) -> Result<(), String> {
     let database_url = config.database_url.clone().ok_or_else(|| {
         "DATABASE_URL is not set: pass --database-url postgres://USER@HOST/DB or set DATABASE_URL".to_string()
     })?;
-    let tokens = http::auth::Tokens { agent: config.agent_token.clone(), admin: config.admin_token.clone() };
+    let regions = match config.agent_tokens_file() {
+        Some(p) => Some(http::agent_tokens::AgentTokens::load(&p)?),
+        None => None,
+    };
+    let tokens = http::auth::Tokens { agent: config.agent_token(), admin: config.admin_token(), regions };
+    let tls = match config.tls_files()? {
+        Some(files) => Some(tls::ServerTls::load(files)?),
+        None => None,
+    };
     let addr = config.listen;
-    if !addr.ip().is_loopback() && (tokens.agent.is_none() || tokens.admin.is_none()) {
+    if !addr.ip().is_loopback() && (!tokens.agent_configured() || tokens.admin.is_none()) {
         return Err(format!(
-            "refusing to listen on {addr} without QUOTA_AGENT_TOKEN and QUOTA_ADMIN_TOKEN; \
-             set both or listen on a loopback address"
+            "refusing to listen on {addr} without agent credentials (QUOTA_AGENT_TOKEN or \
+             QUOTA_AGENT_TOKENS_FILE) and QUOTA_ADMIN_TOKEN; set them or listen on a loopback address"
         ));
     }
-    if tokens.agent.is_none() || tokens.admin.is_none() {
+    if !tokens.agent_configured() || tokens.admin.is_none() {
         tracing::warn!(%addr, "auth tokens not configured: routes without a token are open, loopback only");
     }
     let db = connect(&database_url, config.db_max_connections).await?;
@@ -132,8 +193,9 @@ pub async fn serve(config: config::Config) -> Result<(), String> {
     state.auth = tokens;
     let sweeper = retention::Retention::from_hours(config.retention_hours, config.retention_batch)
         .map(|cfg| tokio::spawn(retention::run(state.db.clone(), state.clock.clone(), cfg)));
-    tracing::info!(addr = %listener.local_addr().map_err(|e| e.to_string())?, "allocator listening");
-    let served = run(listener, state, telemetry::shutdown_signal()).await;
+    tracing::info!(addr = %listener.local_addr().map_err(|e| e.to_string())?, tls = tls.is_some(),
+        mtls = config.tls_client_ca.is_some(), "allocator listening");
+    let served = run_with_tls(listener, state, tls, telemetry::shutdown_signal()).await;
     if let Some(s) = sweeper {
         s.abort();
     }

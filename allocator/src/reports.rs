@@ -3,6 +3,7 @@
 //! Applied exactly once per `report_id` (I7); epoch-fenced (I4).
 
 use crate::agents;
+use crate::http::auth::AgentScope;
 use crate::http::extract::{check_count, check_id, ApiJson};
 use crate::ledger::{self, Kind, NewEvent};
 use crate::policies;
@@ -64,6 +65,7 @@ fn validate(req: &ReportRequest) -> Result<()> {
     responses(
         (status = 200, description = "Items applied (the first count on a replay)", body = ReportResponse),
         (status = 401, description = "Missing or wrong agent token", body = ErrorBody),
+        (status = 403, description = "wrong_region: the credential acts only for another region", body = ErrorBody),
         (status = 404, description = "Unknown quota or agent", body = ErrorBody),
         (status = 409, description = "stale_epoch or idempotency_mismatch", body = ErrorBody),
         (status = 422, description = "Invalid value; the message names the field", body = ErrorBody),
@@ -73,11 +75,16 @@ fn validate(req: &ReportRequest) -> Result<()> {
 )]
 pub(crate) async fn report(
     State(state): State<AppState>,
+    scope: AgentScope,
     ApiJson(req): ApiJson<ReportRequest>,
 ) -> Result<Json<ReportResponse>> {
     validate(&req)?;
     let now = state.clock.now_utc();
-    match apply(&state, &req, now).await {
+    let outcome = match scope.check(&req.region) {
+        Ok(()) => apply(&state, &req, now).await,
+        Err(e) => Err(e),
+    };
+    match outcome {
         Ok(accepted) => Ok(Json(ReportResponse { accepted })),
         Err(e) => {
             let event = NewEvent {

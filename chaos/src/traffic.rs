@@ -85,7 +85,7 @@ impl Traffic {
         let (stop, _) = watch::channel(false);
         let mut tasks = JoinSet::new();
         let mut rates = BTreeMap::new();
-        let client = reqwest::Client::builder()
+        let client = quota_tests::http::client_builder()
             .timeout(CLIENT_TIMEOUT)
             .pool_max_idle_per_host(CLIENTS)
             .build()

@@ -31,6 +31,8 @@ async fn main() {
     )
     .await;
     let agent = AgentProc::spawn(&bin, AgentOpts::new("eu", "eu-1", &stack.alloc.base, &redis.url)).await;
+    // reqwest uses rustls without a built-in provider here (see client.rs).
+    let _ = rustls::crypto::ring::default_provider().install_default();
     let client = reqwest::Client::builder().pool_max_idle_per_host(128).build().expect("client");
     let url = format!("{}/v1/acquire", agent.base);
     // Warm-up: learn the policy and get a first lease.

@@ -1,14 +1,26 @@
 //! The allocator client: every call has a timeout, goes through the circuit
 //! breaker, and is classified as answered (2xx or a 4xx refusal, the
 //! allocator is up) or unreachable (timeout, refused connection, 5xx).
+//!
+//! `https://` allocator URLs go over rustls (ring provider): the system's
+//! trust roots plus `--allocator-ca-file`, and a client certificate for mTLS
+//! when `--allocator-client-cert`/`--allocator-client-key` are given. A TLS
+//! failure (unknown issuer, expired certificate, refused client certificate)
+//! is a connection failure, so it counts as unreachable and the quota's fail
+//! mode applies; the reason is kept for `/v1/status` (`allocator_error`) and
+//! logged once each time it changes, not once per request.
 
 use crate::breaker::Breaker;
 use quota_shared::wire::{
     ErrorBody, GrantRequest, GrantResponse, LeaseView, RegisterRequest, RegisterResponse, ReleaseRequest,
     ReportRequest, ReportResponse,
 };
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// Why a call did not succeed.
@@ -32,6 +44,89 @@ impl CallError {
     }
 }
 
+/// TLS settings of the link to the allocator (PEM files).
+#[derive(Debug, Clone, Default)]
+pub struct TlsFiles {
+    /// Extra trust roots (`--allocator-ca-file`), added to the system's.
+    pub ca_file: Option<PathBuf>,
+    /// Client certificate chain and its key (`--allocator-client-cert`,
+    /// `--allocator-client-key`), for mTLS.
+    pub client_cert: Option<(PathBuf, PathBuf)>,
+}
+
+fn read_pem(what: &str, path: &Path) -> Result<Vec<u8>, String> {
+    std::fs::read(path).map_err(|e| format!("cannot read {what} {}: {e}", path.display()))
+}
+
+fn pem_certs(what: &str, path: &Path) -> Result<Vec<CertificateDer<'static>>, String> {
+    let bytes = read_pem(what, path)?;
+    let certs = CertificateDer::pem_slice_iter(&bytes)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| format!("{what} {} is not PEM certificates: {e}", path.display()))?;
+    if certs.is_empty() {
+        return Err(format!("{what} {} holds no certificate", path.display()));
+    }
+    Ok(certs)
+}
+
+/// The rustls configuration of the allocator link: system roots plus the CA
+/// file, and the client certificate when given. Built with the ring provider
+/// explicitly, so no process-wide default provider is needed. Errors name
+/// the file, never its contents (a key file's bytes are secret).
+pub fn tls_config(files: &TlsFiles) -> Result<rustls::ClientConfig, String> {
+    let mut roots = rustls::RootCertStore::empty();
+    let native = rustls_native_certs::load_native_certs();
+    let (added, _ignored) = roots.add_parsable_certificates(native.certs);
+    if added == 0 && files.ca_file.is_none() {
+        tracing::debug!("no system trust roots found; https allocator URLs need --allocator-ca-file");
+    }
+    if let Some(ca) = &files.ca_file {
+        for cert in pem_certs("AGENT_ALLOCATOR_CA_FILE", ca)? {
+            roots.add(cert).map_err(|e| {
+                format!("AGENT_ALLOCATOR_CA_FILE {}: unusable CA certificate: {e}", ca.display())
+            })?;
+        }
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let builder = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| format!("TLS set-up: {e}"))?
+        .with_root_certificates(roots);
+    match &files.client_cert {
+        None => Ok(builder.with_no_client_auth()),
+        Some((cert, key)) => {
+            let chain = pem_certs("AGENT_ALLOCATOR_CLIENT_CERT", cert)?;
+            let key_bytes = read_pem("AGENT_ALLOCATOR_CLIENT_KEY", key)?;
+            let key_der = PrivateKeyDer::from_pem_slice(&key_bytes).map_err(|_| {
+                format!("AGENT_ALLOCATOR_CLIENT_KEY {} holds no PEM private key", key.display())
+            })?;
+            builder.with_client_auth_cert(chain, key_der).map_err(|e| {
+                format!(
+                    "AGENT_ALLOCATOR_CLIENT_CERT/KEY ({}) do not form a usable identity: {e}",
+                    cert.display()
+                )
+            })
+        }
+    }
+}
+
+/// The reason of the latest failed call, rendered with its cause chain
+/// (where the TLS reason lives) and without the URL.
+fn describe(e: reqwest::Error) -> String {
+    let e = e.without_url();
+    let mut out = e.to_string();
+    let mut src = std::error::Error::source(&e);
+    while let Some(s) = src {
+        let s_text = s.to_string();
+        if !out.contains(&s_text) {
+            out.push_str(": ");
+            out.push_str(&s_text);
+        }
+        src = s.source();
+    }
+    out
+}
+
 /// The allocator's agent API.
 pub struct AllocatorClient {
     http: reqwest::Client,
@@ -39,18 +134,56 @@ pub struct AllocatorClient {
     token: Option<String>,
     /// The breaker shared by every call.
     pub breaker: Breaker,
+    /// Why the latest call found the allocator unreachable; cleared by an
+    /// answer. A std `Mutex`: set and read without an await in between.
+    last_error: Mutex<Option<String>>,
 }
 
 impl AllocatorClient {
-    /// A client for `base` with `timeout` per call.
-    pub fn new(base: &str, token: Option<String>, timeout: Duration) -> Result<Self, String> {
+    /// A client for `base` with `timeout` per call (connect, TLS handshake
+    /// and answer together) and the given TLS settings.
+    pub fn new(base: &str, token: Option<String>, timeout: Duration, tls: &TlsFiles) -> Result<Self, String> {
+        // Always hand reqwest our own rustls config: with the ring provider
+        // and no process default, reqwest could not build one itself.
         let http = reqwest::Client::builder()
+            .tls_backend_preconfigured(tls_config(tls)?)
             .timeout(timeout)
             .connect_timeout(timeout)
             .pool_max_idle_per_host(16)
             .build()
             .map_err(|e| format!("http client: {e}"))?;
-        Ok(AllocatorClient { http, base: base.to_string(), token, breaker: Breaker::default() })
+        Ok(AllocatorClient {
+            http,
+            base: base.to_string(),
+            token,
+            breaker: Breaker::default(),
+            last_error: Mutex::new(None),
+        })
+    }
+
+    /// Why the allocator counts as unreachable, while it does.
+    pub fn last_error(&self) -> Option<String> {
+        self.last_error.lock().unwrap().clone()
+    }
+
+    /// Records an unreachable call; logs only when the reason changes, so
+    /// a partition or a bad certificate is one warning, not one per request.
+    fn unreachable(&self, why: String) -> CallError {
+        self.breaker.failure();
+        let mut last = self.last_error.lock().unwrap();
+        if last.as_deref() != Some(why.as_str()) {
+            tracing::warn!(reason = %why, "allocator unreachable");
+            *last = Some(why.clone());
+        }
+        CallError::Unreachable(why)
+    }
+
+    /// Records an answer: the allocator is reachable again.
+    fn answered(&self) {
+        self.breaker.success();
+        if self.last_error.lock().unwrap().take().is_some() {
+            tracing::info!("allocator reachable again");
+        }
     }
 
     async fn post<B: Serialize, R: DeserializeOwned>(&self, path: &str, body: &B) -> Result<R, CallError> {
@@ -63,24 +196,17 @@ impl AllocatorClient {
         }
         let resp = match rb.send().await {
             Ok(r) => r,
-            Err(e) => {
-                self.breaker.failure();
-                return Err(CallError::Unreachable(e.to_string()));
-            }
+            Err(e) => return Err(self.unreachable(describe(e))),
         };
         let status = resp.status();
         let bytes = match resp.bytes().await {
             Ok(b) => b,
-            Err(e) => {
-                self.breaker.failure();
-                return Err(CallError::Unreachable(e.to_string()));
-            }
+            Err(e) => return Err(self.unreachable(describe(e))),
         };
         if status.is_server_error() || status.as_u16() == 408 {
-            self.breaker.failure();
-            return Err(CallError::Unreachable(format!("status {status}")));
+            return Err(self.unreachable(format!("status {status}")));
         }
-        self.breaker.success();
+        self.answered();
         if !status.is_success() {
             let body: Option<ErrorBody> = serde_json::from_slice(&bytes).ok();
             let (code, message) =

@@ -1,8 +1,10 @@
 //! Configuration: every flag is also an environment variable (DESIGN §5).
 
+use crate::client::TlsFiles;
 use clap::Parser;
 pub use quota_shared::telemetry::LogFormat;
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::time::Duration;
 
 /// The regional agent.
@@ -101,6 +103,20 @@ pub struct Config {
         allow_hyphen_values = true
     )]
     pub test_clock_offset_ms: i64,
+
+    /// PEM file of CA certificates trusted for an https:// allocator, in
+    /// addition to the system's trust roots.
+    #[arg(long, env = "AGENT_ALLOCATOR_CA_FILE")]
+    pub allocator_ca_file: Option<PathBuf>,
+
+    /// PEM client certificate (chain) presented to the allocator (mTLS);
+    /// needs --allocator-client-key.
+    #[arg(long, env = "AGENT_ALLOCATOR_CLIENT_CERT")]
+    pub allocator_client_cert: Option<PathBuf>,
+
+    /// PEM private key of --allocator-client-cert.
+    #[arg(long, env = "AGENT_ALLOCATOR_CLIENT_KEY")]
+    pub allocator_client_key: Option<PathBuf>,
 }
 
 /// The validated settings the agent runs with.
@@ -127,6 +143,8 @@ pub struct Settings {
     pub acquire_wait: Duration,
     pub outbox_interval: Duration,
     pub test_clock_offset_ms: i64,
+    /// TLS settings of the allocator link.
+    pub allocator_tls: TlsFiles,
 }
 
 /// Where to find the region's primary through Sentinel.
@@ -168,7 +186,29 @@ fn required(v: &Option<String>, flag: &str, env: &str) -> Result<String, String>
         .ok_or_else(|| format!("{env} is not set: pass --{flag} or set {env}"))
 }
 
+/// An empty path variable counts as not set.
+fn path(p: &Option<PathBuf>) -> Option<PathBuf> {
+    p.clone().filter(|p| !p.as_os_str().is_empty())
+}
+
 impl Config {
+    /// The allocator link's TLS files; a certificate without its key (or
+    /// the reverse) is an error naming both settings.
+    fn allocator_tls(&self) -> Result<TlsFiles, String> {
+        let client_cert = match (path(&self.allocator_client_cert), path(&self.allocator_client_key)) {
+            (Some(c), Some(k)) => Some((c, k)),
+            (None, None) => None,
+            _ => {
+                return Err(
+                    "AGENT_ALLOCATOR_CLIENT_CERT and AGENT_ALLOCATOR_CLIENT_KEY must be set together \
+                            (--allocator-client-cert, --allocator-client-key)"
+                        .into(),
+                )
+            }
+        };
+        Ok(TlsFiles { ca_file: path(&self.allocator_ca_file), client_cert })
+    }
+
     /// Checks the configuration, naming the setting that is missing or wrong.
     pub fn settings(&self) -> Result<Settings, String> {
         let region = required(&self.region, "region", "AGENT_REGION")?;
@@ -234,6 +274,7 @@ impl Config {
             acquire_wait: Duration::from_millis(self.acquire_wait_ms),
             outbox_interval: Duration::from_millis(self.outbox_interval_ms.max(10)),
             test_clock_offset_ms: self.test_clock_offset_ms,
+            allocator_tls: self.allocator_tls()?,
         })
     }
 }

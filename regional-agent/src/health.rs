@@ -135,7 +135,7 @@ pub(crate) async fn metrics(State(app): State<AppState>) -> impl IntoResponse {
 #[utoipa::path(
     get,
     path = "/v1/status",
-    responses((status = 200, description = "{region, agent, epoch, allocator_reachable, quotas: [{tenant, resource, lease_tokens, expires_in_ms, demand_per_sec, mode, ...}]}")),
+    responses((status = 200, description = "{region, agent, epoch, allocator_reachable, allocator_error (why the allocator counts as unreachable, e.g. a TLS failure; null while it answers), quotas: [{tenant, resource, lease_tokens, expires_in_ms, demand_per_sec, mode, ...}]}")),
     tag = "agent"
 )]
 pub(crate) async fn status(State(app): State<AppState>) -> impl IntoResponse {
@@ -176,6 +176,7 @@ pub(crate) async fn status(State(app): State<AppState>) -> impl IntoResponse {
         "agent": app.settings.agent,
         "epoch": app.ident.epoch(),
         "allocator_reachable": reachable,
+        "allocator_error": app.alloc.last_error(),
         "quotas": quotas,
     }))
 }

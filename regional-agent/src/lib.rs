@@ -193,6 +193,7 @@ impl App {
             &settings.allocator,
             settings.agent_token.clone(),
             settings.allocator_timeout,
+            &settings.allocator_tls,
         )?;
         let metrics = Registry::default();
         health::describe(&metrics);

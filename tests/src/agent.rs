@@ -91,11 +91,37 @@ impl AgentProc {
         self.child = Some(Child::spawn("regional-agent", cmd, &log, None).expect("spawn regional-agent"));
     }
 
+    /// Starts `bin` with `opts` and waits only until it serves `/healthz`
+    /// (for agents that cannot reach their allocator, so never register).
+    pub async fn spawn_unregistered(bin: &Path, opts: AgentOpts) -> AgentProc {
+        let port = crate::free_port();
+        let base = format!("http://{}:{port}", opts.host);
+        let mut a = AgentProc {
+            http: Http::new(&base),
+            base,
+            opts,
+            port,
+            bin: bin.to_path_buf(),
+            dir: tempfile::tempdir().expect("temp dir"),
+            child: None,
+            starts: 0,
+        };
+        a.start_process();
+        let http = a.http.clone();
+        crate::wait::until("agent /healthz", Duration::from_secs(20), || {
+            let http = http.clone();
+            async move { (http.get_status("/healthz").await == Some(200)).then_some(()) }
+        })
+        .await;
+        a
+    }
+
     /// Starts the process (again) and waits until `/v1/status` shows an epoch.
     pub async fn start(&mut self) -> i64 {
         self.start_process();
         let url = format!("{}/v1/status", self.base);
-        let client = reqwest::Client::builder().timeout(Duration::from_millis(500)).build().expect("client");
+        let client =
+            crate::http::client_builder().timeout(Duration::from_millis(500)).build().expect("client");
         crate::wait::until("agent registered", Duration::from_secs(20), || {
             let (client, url) = (client.clone(), url.clone());
             async move {

@@ -1,6 +1,8 @@
 //! The allocator started in process on a free loopback port over a test
 //! database, stopped (gracefully) when dropped or by [`TestAllocator::stop`].
 
+pub use allocator::http::agent_tokens::AgentTokens;
+pub use allocator::tls::TlsFiles;
 use allocator::AppState;
 use quota_shared::clock::Clock;
 use std::sync::Arc;
@@ -9,7 +11,7 @@ use tokio::task::JoinHandle;
 
 /// A running allocator.
 pub struct TestAllocator {
-    /// `http://127.0.0.1:PORT`.
+    /// `http://127.0.0.1:PORT`, or `https://localhost:PORT` with TLS.
     pub base: String,
     /// Its state (database pool, clock), for assertions on the database.
     pub state: AppState,
@@ -28,6 +30,11 @@ pub struct Options {
     pub admin_token: Option<String>,
     /// Pool size (default 16).
     pub max_connections: Option<u32>,
+    /// Per-region agent tokens file (`--agent-tokens-file`).
+    pub agent_tokens_file: Option<std::path::PathBuf>,
+    /// Serve HTTPS from these files (`--tls-cert`, `--tls-key`,
+    /// `--tls-client-ca`); the base URL is then `https://localhost:PORT`.
+    pub tls: Option<allocator::tls::TlsFiles>,
 }
 
 impl TestAllocator {
@@ -45,11 +52,22 @@ impl TestAllocator {
         if let Some(c) = opts.clock {
             state.clock = c;
         }
-        state.auth = allocator::http::auth::Tokens { agent: opts.agent_token, admin: opts.admin_token };
+        let regions = opts
+            .agent_tokens_file
+            .as_deref()
+            .map(|p| allocator::http::agent_tokens::AgentTokens::load(p).expect("agent tokens file"));
+        state.auth =
+            allocator::http::auth::Tokens { agent: opts.agent_token, admin: opts.admin_token, regions };
+        let tls = opts.tls.map(|f| allocator::tls::ServerTls::load(f).expect("TLS files"));
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
-        let base = format!("http://{}", listener.local_addr().expect("addr"));
+        let addr = listener.local_addr().expect("addr");
+        // Certificates name `localhost`; the listener is on loopback either way.
+        let base = match tls {
+            Some(_) => format!("https://localhost:{}", addr.port()),
+            None => format!("http://{addr}"),
+        };
         let (tx, rx) = oneshot::channel();
-        let task = tokio::spawn(allocator::run(listener, state.clone(), async move {
+        let task = tokio::spawn(allocator::run_with_tls(listener, state.clone(), tls, async move {
             let _ = rx.await;
         }));
         TestAllocator { base, state, shutdown: Some(tx), task: Some(task) }

@@ -39,6 +39,16 @@ pub fn metric(text: &str, name: &str) -> Option<f64> {
     text.lines().find_map(|l| l.strip_prefix(name).and_then(|v| v.trim().parse().ok()))
 }
 
+/// A `reqwest` client builder with the process's rustls provider in place.
+///
+/// reqwest is built with rustls and the ring provider chosen by the
+/// services (no cmake-built aws-lc); a client reqwest configures itself
+/// asks for the process default provider, so it is installed here first.
+pub fn client_builder() -> reqwest::ClientBuilder {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    reqwest::Client::builder()
+}
+
 /// A client bound to one base URL and optional bearer token.
 #[derive(Clone)]
 pub struct Http {
@@ -50,9 +60,33 @@ pub struct Http {
 impl Http {
     /// A client for `base`.
     pub fn new(base: &str) -> Http {
-        let client = reqwest::Client::builder()
+        let client = client_builder()
             .timeout(Duration::from_secs(30))
             .pool_max_idle_per_host(128)
+            .build()
+            .expect("client");
+        Http { base: base.to_string(), client, token: None }
+    }
+
+    /// A client for an `https://` `base` that trusts the CA `ca_pem` (and
+    /// the usual roots).
+    pub fn with_ca(base: &str, ca_pem: &str) -> Http {
+        let ca = reqwest::Certificate::from_pem(ca_pem.as_bytes()).expect("CA PEM");
+        let client = client_builder()
+            .timeout(Duration::from_secs(30))
+            .add_root_certificate(ca)
+            .build()
+            .expect("client");
+        Http { base: base.to_string(), client, token: None }
+    }
+
+    /// A client for an `https://` `base` trusting `ca_pem` only and
+    /// presenting the client certificate `cert_pem` with `key_pem` (mTLS).
+    pub fn with_identity(base: &str, ca_pem: &str, cert_pem: &str, key_pem: &str) -> Http {
+        let config = crate::tls::client_config_with_identity(ca_pem, cert_pem, key_pem);
+        let client = client_builder()
+            .timeout(Duration::from_secs(30))
+            .tls_backend_preconfigured(config)
             .build()
             .expect("client");
         Http { base: base.to_string(), client, token: None }

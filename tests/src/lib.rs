@@ -15,6 +15,7 @@
 //! * [`app`]: the allocator started in process on a free port.
 //! * [`http`]: a JSON client that returns status, headers and body.
 //! * [`wait`]: polling a condition with a deadline instead of sleeping.
+//! * [`tls`]: certificates made per test (rcgen) and a rustls probe client.
 
 pub mod agent;
 pub mod app;
@@ -25,6 +26,7 @@ pub mod procs;
 pub mod redis;
 pub mod redis_cluster;
 pub mod sentinel;
+pub mod tls;
 pub mod wait;
 
 /// A loopback port that was free a moment ago.

@@ -9,6 +9,7 @@
 //! is configured, which `serve` allows on loopback only; `/healthz`,
 //! `/readyz`, `/metrics` and `/openapi.json` are public.
 
+pub mod agent_tokens;
 pub mod auth;
 pub mod extract;
 pub mod metrics;

@@ -39,7 +39,7 @@ const CALL_TIMEOUT: Duration = Duration::from_secs(5);
 pub const CLIENTS: [usize; 3] = [1, 16, 64];
 
 fn client() -> Result<reqwest::Client, String> {
-    reqwest::Client::builder()
+    quota_tests::http::client_builder()
         .timeout(CALL_TIMEOUT)
         .pool_max_idle_per_host(128)
         .build()

@@ -29,7 +29,8 @@ async fn redis_cmd(url: &str, cmd: &str) -> Result<String, String> {
 
 /// Σ of a counter over the agents of `region`.
 async fn agents_metric(run: &Run, region: &str, name: &str) -> f64 {
-    let http = reqwest::Client::builder().timeout(Duration::from_secs(2)).build().unwrap_or_default();
+    let http =
+        quota_tests::http::client_builder().timeout(Duration::from_secs(2)).build().unwrap_or_default();
     let mut sum = 0.0;
     for (r, urls) in run.stack.agent_urls() {
         if r != region {
