@@ -9,9 +9,8 @@ use crate::{AppState, Error, Result};
 use axum::extract::State;
 use axum::routing::post;
 use axum::{Json, Router};
-use chrono::{DateTime, Utc};
 use quota_shared::wire::{ErrorBody, RegisterRequest, RegisterResponse};
-use sqlx::{PgConnection, PgPool};
+use sqlx::PgConnection;
 
 /// Routes of this module.
 pub fn router() -> Router<AppState> {
@@ -37,8 +36,11 @@ pub(crate) async fn register(
 ) -> Result<Json<RegisterResponse>> {
     check_id("region", &req.region)?;
     check_id("agent", &req.agent)?;
-    let now = state.clock.now_utc();
     let mut tx = state.db.begin().await?;
+    // After any deletion of this region's gone agents has committed, so the
+    // epoch floor read below is current (see retention).
+    sqlx::query(include_str!("sql/agent_region_lock.sql")).bind(&req.region).execute(&mut *tx).await?;
+    let now = state.db_clock.now(&mut tx).await?;
     let epoch: i64 = sqlx::query_scalar(include_str!("sql/agent_register.sql"))
         .bind(&req.region)
         .bind(&req.agent)
@@ -87,10 +89,13 @@ pub async fn fence(conn: &mut PgConnection, region: &str, agent: &str, epoch: i6
 }
 
 /// Records a refusal of a fenced request in the ledger (in its own
-/// transaction) when the error is one the ledger tracks.
-pub async fn record_refusal(db: &PgPool, at: DateTime<Utc>, err: &Error, event: NewEvent) -> Result<()> {
+/// transaction, stamped on the database's clock) when the error is one the
+/// ledger tracks.
+pub async fn record_refusal(state: &AppState, err: &Error, event: NewEvent) -> Result<()> {
     if matches!(err, Error::StaleEpoch { .. } | Error::IdempotencyMismatch(_)) {
-        ledger::append_refusal(db, at, NewEvent { reason: Some(err.code().to_string()), ..event }).await?;
+        let at = state.db_clock.now_on(&state.db).await?;
+        ledger::append_refusal(&state.db, at, NewEvent { reason: Some(err.code().to_string()), ..event })
+            .await?;
     }
     Ok(())
 }

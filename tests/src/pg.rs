@@ -243,6 +243,18 @@ impl TestDb {
         wait_ready(&url, self.server.as_mut()).await.expect("postgres ready after restart");
     }
 
+    /// Sends `sig` to the local server's whole process group (the
+    /// postmaster and every backend): SIGSTOP pauses PostgreSQL with its
+    /// connections open, SIGCONT resumes it.
+    pub fn signal_all(&self, sig: i32) {
+        let server = self.server.as_ref().expect("signal_all needs a local server");
+        let child = server.child.as_ref().expect("server running");
+        // SAFETY: kill of the process group this harness created (process_group(0)).
+        unsafe {
+            libc::kill(-(child.pid() as i32), sig);
+        }
+    }
+
     /// Stops the local server; it stays down until [`TestDb::restart`].
     pub fn stop(&mut self) {
         let server = self.server.as_mut().expect("stop needs a local server");
