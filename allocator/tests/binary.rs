@@ -199,18 +199,37 @@ async fn stop_with_postgres_paused(deadline_secs: &str, second: bool) -> Duratio
     wait_healthy(&http).await;
     http.post("/v1/agents/register", &json!({"region": "eu", "agent": "eu-1"})).await.expect(200);
 
-    db.signal_all(libc::SIGSTOP);
-    // A request that waits on the paused database (its statement timeout is
-    // the server's, which cannot fire while the server is stopped).
+    // A request in flight inside its transaction: it waits for a row lock
+    // the test holds, then PostgreSQL is paused, so neither the lock nor the
+    // statement timeout (both server-side) can ever end it.
+    let pg = sqlx::PgPool::connect(&db.url).await.unwrap();
+    let mut holder = pg.begin().await.unwrap();
+    sqlx::query("select 1 from agent where region = 'eu' and agent = 'eu-1' for update")
+        .execute(&mut *holder)
+        .await
+        .unwrap();
     let client = reqwest::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
     let url = format!("http://127.0.0.1:{port}/v1/agents/register");
     let mut in_flight = tokio::spawn(async move {
-        client.post(url).json(&json!({"region": "eu", "agent": "eu-2"})).send().await.map(|r| r.status())
+        client.post(url).json(&json!({"region": "eu", "agent": "eu-1"})).send().await.map(|r| r.status())
     });
-    assert!(
-        tokio::time::timeout(Duration::from_millis(500), &mut in_flight).await.is_err(),
-        "the request must be stuck on the paused database"
-    );
+    quota_tests::wait::until("the registration to wait on the row lock", Duration::from_secs(10), || {
+        let pg = pg.clone();
+        async move {
+            let waiting: i64 = sqlx::query_scalar(
+                "select count(*) from pg_stat_activity where wait_event_type = 'Lock' and query like '%insert into agent (%'",
+            )
+            .fetch_one(&pg)
+            .await
+            .unwrap();
+            (waiting > 0).then_some(())
+        }
+    })
+    .await;
+    db.signal_all(libc::SIGSTOP);
+    if let Ok(r) = tokio::time::timeout(Duration::from_millis(300), &mut in_flight).await {
+        panic!("the request must be stuck on the paused database, got {r:?}");
+    }
 
     let started = std::time::Instant::now();
     child.signal(libc::SIGTERM);
@@ -226,6 +245,7 @@ async fn stop_with_postgres_paused(deadline_secs: &str, second: bool) -> Duratio
     .await;
     let took = started.elapsed();
     db.signal_all(libc::SIGCONT);
+    drop(holder);
     let log = std::fs::read_to_string(dir.path().join("a.log")).unwrap();
     if second {
         assert!(!status.success(), "a second signal exits at once, non-zero: {status}\n{log}");
