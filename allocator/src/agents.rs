@@ -68,13 +68,27 @@ pub(crate) async fn register(
 /// share lock on the agent row until the transaction ends, so a concurrent
 /// registration cannot slip between the check and the change (I4).
 ///
-/// A lower epoch is `409 stale_epoch`; an epoch never issued is a 422.
+/// A lower epoch is `409 stale_epoch` (also an epoch of a deleted agent
+/// row, see [`crate::retention`]); an epoch never issued is a 422.
 pub async fn fence(conn: &mut PgConnection, region: &str, agent: &str, epoch: i64) -> Result<()> {
     let current: Option<i64> = sqlx::query_scalar(include_str!("sql/agent_epoch_lock.sql"))
         .bind(region)
         .bind(agent)
-        .fetch_optional(conn)
+        .fetch_optional(&mut *conn)
         .await?;
+    let current = match current {
+        Some(c) => Some(c),
+        // An agent whose row the retention job deleted (gone for longer than
+        // the horizon) still holds an epoch at or below its region's floor:
+        // that incarnation is over, and answering stale_epoch (not 404)
+        // tells the agent to register again, which gives it a higher epoch.
+        None => sqlx::query_scalar::<_, i64>(include_str!("sql/agent_epoch_floor.sql"))
+            .bind(region)
+            .fetch_optional(&mut *conn)
+            .await?
+            .filter(|floor| epoch <= *floor)
+            .map(|floor| floor + 1),
+    };
     match current {
         None => Err(Error::UnknownAgent(format!("{region}/{agent}"))),
         Some(c) if epoch < c => {

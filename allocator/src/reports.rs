@@ -282,3 +282,51 @@ async fn pool_window_secs(
         .await?;
     Ok(existing.unwrap_or(current))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::http::StatusCode;
+    use chrono::Duration;
+
+    fn item(window_start: &str) -> ReportItem {
+        ReportItem {
+            tenant: "atlas".into(),
+            resource: "read".into(),
+            window_start: window_start.parse().unwrap(),
+            consumed: 1,
+            fallback_admitted: 0,
+        }
+    }
+
+    #[test]
+    fn item_windows_are_checked_against_the_database_clock_and_the_horizon() {
+        let now: DateTime<Utc> = "2026-12-03T10:00:30Z".parse().unwrap();
+        let week = Some(Duration::hours(168));
+        let code =
+            |ws: &str, h| check_item_time(3, &item(ws), now, h).err().map(|e| (e.code(), e.status_code()));
+        // The current window, and the next one within the tolerance.
+        assert_eq!(code("2026-12-03T10:00:00Z", week), None);
+        assert_eq!(code("2026-12-03T10:00:35Z", week), None);
+        // Further ahead: in the future.
+        assert_eq!(
+            code("2026-12-03T10:00:36Z", week),
+            Some(("invalid_field", StatusCode::UNPROCESSABLE_ENTITY))
+        );
+        // Exactly at the horizon still applies; one second beyond does not.
+        assert_eq!(code("2026-11-26T10:00:30Z", week), None);
+        assert_eq!(
+            code("2026-11-26T10:00:29Z", week),
+            Some(("report_expired", StatusCode::UNPROCESSABLE_ENTITY))
+        );
+        // Retention disabled: any age applies.
+        assert_eq!(code("2000-01-01T00:00:00Z", None), None);
+        // The error names the item.
+        match check_item_time(3, &item("2030-01-01T00:00:00Z"), now, week) {
+            Err(Error::InItem { item: 3, source }) => {
+                assert!(source.to_string().contains("items[3].window_start"))
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+}

@@ -111,7 +111,10 @@ async fn old_reports_pools_and_gone_agents_are_deleted_in_batches_and_a_replay_i
     assert_eq!(http.post("/v1/reports", &recent).await.expect(200).body["accepted"], 1);
     assert_eq!(window(&http, &ws_now).await["consumed"].as_i64(), Some(2));
 
-    // eu-gone comes back: its epoch continues above every epoch it had.
+    // eu-gone comes back: its old epoch is stale (so it registers again,
+    // not 404), and its epoch continues above every epoch it had.
+    let body = grant_body("atlas", "read", "eu", "eu-gone", gone_epoch, 9, 10, 1.0);
+    assert_eq!(grant(&http, &body).await.expect(409).error(), "stale_epoch");
     assert_eq!(register(&http, "eu", "eu-gone").await, 3, "above the region's floor of 2");
     // A second sweep finds nothing more.
     assert_eq!(retention::sweep(&pg, &alloc.state.db_clock, &cfg).await.unwrap(), Default::default());
