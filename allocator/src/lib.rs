@@ -66,9 +66,10 @@ pub const DEFAULT_RETENTION_HOURS: u64 = 168;
 pub struct AppState {
     /// The connection pool.
     pub db: PgPool,
-    /// This replica's own clock. No window decision reads it (they read
-    /// [`AppState::db_clock`]); it stamps only what no window depends on
-    /// (the ledger's `as_of`). `--test-clock-offset-ms` shifts it.
+    /// This replica's own clock. Nothing that decides or stamps a window
+    /// reads it any more (all of that reads [`AppState::db_clock`]); the
+    /// hidden `--test-clock-offset-ms` shifts it, so a test of replicas with
+    /// skewed clocks fails if a decision ever reads it again.
     pub clock: Arc<dyn Clock>,
     /// The one clock for windows: the database's (I8, DESIGN §6).
     pub db_clock: time::DbClock,
