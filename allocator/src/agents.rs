@@ -10,9 +10,8 @@ use crate::{AppState, Error, Result};
 use axum::extract::State;
 use axum::routing::post;
 use axum::{Json, Router};
-use chrono::{DateTime, Utc};
 use quota_shared::wire::{ErrorBody, RegisterRequest, RegisterResponse};
-use sqlx::{PgConnection, PgPool};
+use sqlx::PgConnection;
 
 /// Routes of this module.
 pub fn router() -> Router<AppState> {
@@ -40,13 +39,16 @@ pub(crate) async fn register(
 ) -> Result<Json<RegisterResponse>> {
     check_id("region", &req.region)?;
     check_id("agent", &req.agent)?;
-    let now = state.clock.now_utc();
     if let Err(e) = scope.check(&req.region) {
         let event = NewEvent { region: Some(req.region), agent: Some(req.agent), ..Default::default() };
-        record_refusal(&state.db, now, &e, event).await?;
+        record_refusal(&state, &e, event).await?;
         return Err(e);
     }
     let mut tx = state.db.begin().await?;
+    // After any deletion of this region's gone agents has committed, so the
+    // epoch floor read below is current (see retention).
+    sqlx::query(include_str!("sql/agent_region_lock.sql")).bind(&req.region).execute(&mut *tx).await?;
+    let now = state.db_clock.now(&mut tx).await?;
     let epoch: i64 = sqlx::query_scalar(include_str!("sql/agent_register.sql"))
         .bind(&req.region)
         .bind(&req.agent)
@@ -74,13 +76,27 @@ pub(crate) async fn register(
 /// share lock on the agent row until the transaction ends, so a concurrent
 /// registration cannot slip between the check and the change (I4).
 ///
-/// A lower epoch is `409 stale_epoch`; an epoch never issued is a 422.
+/// A lower epoch is `409 stale_epoch` (also an epoch of a deleted agent
+/// row, see [`crate::retention`]); an epoch never issued is a 422.
 pub async fn fence(conn: &mut PgConnection, region: &str, agent: &str, epoch: i64) -> Result<()> {
     let current: Option<i64> = sqlx::query_scalar(include_str!("sql/agent_epoch_lock.sql"))
         .bind(region)
         .bind(agent)
-        .fetch_optional(conn)
+        .fetch_optional(&mut *conn)
         .await?;
+    let current = match current {
+        Some(c) => Some(c),
+        // An agent whose row the retention job deleted (gone for longer than
+        // the horizon) still holds an epoch at or below its region's floor:
+        // that incarnation is over, and answering stale_epoch (not 404)
+        // tells the agent to register again, which gives it a higher epoch.
+        None => sqlx::query_scalar::<_, i64>(include_str!("sql/agent_epoch_floor.sql"))
+            .bind(region)
+            .fetch_optional(&mut *conn)
+            .await?
+            .filter(|floor| epoch <= *floor)
+            .map(|floor| floor + 1),
+    };
     match current {
         None => Err(Error::UnknownAgent(format!("{region}/{agent}"))),
         Some(c) if epoch < c => {
@@ -95,8 +111,9 @@ pub async fn fence(conn: &mut PgConnection, region: &str, agent: &str, epoch: i6
 }
 
 /// Records a refusal of a fenced or region-bound request in the ledger (in
-/// its own transaction) when the error is one the ledger tracks.
-pub async fn record_refusal(db: &PgPool, at: DateTime<Utc>, err: &Error, event: NewEvent) -> Result<()> {
+/// its own transaction, stamped on the database's clock) when the error is
+/// one the ledger tracks.
+pub async fn record_refusal(state: &AppState, err: &Error, event: NewEvent) -> Result<()> {
     if matches!(err, Error::StaleEpoch { .. } | Error::IdempotencyMismatch(_) | Error::WrongRegion { .. }) {
         // The region the credential was bound to, next to the one asked for.
         let detail = match err {
@@ -105,8 +122,13 @@ pub async fn record_refusal(db: &PgPool, at: DateTime<Utc>, err: &Error, event: 
             }
             _ => event.detail.clone(),
         };
-        ledger::append_refusal(db, at, NewEvent { reason: Some(err.code().to_string()), detail, ..event })
-            .await?;
+        let at = state.db_clock.now_on(&state.db).await?;
+        ledger::append_refusal(
+            &state.db,
+            at,
+            NewEvent { reason: Some(err.code().to_string()), detail, ..event },
+        )
+        .await?;
     }
     Ok(())
 }

@@ -30,14 +30,39 @@ pub struct Config {
     #[arg(long, env = "ALLOCATOR_DB_MAX_CONNECTIONS", default_value_t = 16)]
     pub db_max_connections: u32,
 
-    /// Ledger events and leases older than this many hours are deleted in
-    /// the background (per-window summaries stay); 0 keeps everything.
+    /// Ledger events, leases, report records and gone agents older than
+    /// this many hours are deleted in the background; report items of
+    /// windows older than this are refused (422 report_expired). 0 keeps
+    /// everything and refuses no window as too old.
     #[arg(long, env = "ALLOCATOR_RETENTION_HOURS", default_value_t = 168)]
     pub retention_hours: u64,
+
+    /// Per-window summaries (pools and their region rows, which
+    /// GET /v1/windows reads) of windows that ended more than this many
+    /// hours ago are deleted; at least --retention-hours; 0 keeps them.
+    #[arg(long, env = "ALLOCATOR_WINDOW_RETENTION_HOURS", default_value_t = 2160)]
+    pub window_retention_hours: u64,
 
     /// Rows per retention delete statement.
     #[arg(long, env = "ALLOCATOR_RETENTION_BATCH", default_value_t = 5000)]
     pub retention_batch: i64,
+
+    /// Seconds the allocator waits after SIGTERM/SIGINT for in-flight
+    /// requests before it exits anyway; a second signal exits at once.
+    #[arg(long, env = "ALLOCATOR_SHUTDOWN_TIMEOUT_SECS", default_value_t = 10)]
+    pub shutdown_timeout_secs: u64,
+
+    /// Tests only: shifts this replica's own clock by this many
+    /// milliseconds, to show that no window decision reads it (they read
+    /// the database's clock).
+    #[arg(
+        long,
+        env = "ALLOCATOR_TEST_CLOCK_OFFSET_MS",
+        default_value_t = 0,
+        hide = true,
+        allow_hyphen_values = true
+    )]
+    pub test_clock_offset_ms: i64,
 
     /// `text` or `json`.
     #[arg(long, env = "LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]

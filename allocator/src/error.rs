@@ -1,7 +1,9 @@
 //! The allocator's one error enum and its mapping to HTTP (DESIGN §5):
 //! 400 malformed JSON, 401 token, 403 credential of another region, 404 unknown quota or lease, 409 stale epoch
 //! or idempotency mismatch, 412 version precondition, 413 body too large,
-//! 422 invalid value, 503 database unavailable. Internal errors are logged
+//! 422 invalid value (naming the field, and the report item when one is at
+//! fault) or a report item beyond the retention horizon (`report_expired`),
+//! 503 database unavailable. Internal errors are logged
 //! with their cause and answered without detail.
 
 use axum::http::StatusCode;
@@ -52,6 +54,18 @@ pub enum Error {
     /// `If-Match` named a version that is no longer current.
     #[error("policy version is {current}, If-Match asked for {expected}")]
     VersionMismatch { expected: String, current: i64 },
+    /// A report item counts a window that started beyond the retention
+    /// horizon: its report record may already be deleted, so it could not be
+    /// applied exactly once (I7). Never changes: the sender should drop it.
+    #[error("{0}")]
+    ReportExpired(String),
+    /// One report item is at fault; the report was not applied at all.
+    #[error("{source}")]
+    InItem {
+        item: usize,
+        #[source]
+        source: Box<Error>,
+    },
     /// Body over 64 KiB.
     #[error("request body is larger than 64 KiB")]
     PayloadTooLarge,
@@ -64,6 +78,15 @@ pub enum Error {
 }
 
 impl Error {
+    /// This error, attributed to report item `item`.
+    pub fn in_item(self, item: usize) -> Self {
+        match self {
+            // Already attributed, or not the item's fault (logged as is).
+            e @ (Error::InItem { .. } | Error::Internal(_) | Error::DatabaseUnavailable(_)) => e,
+            e => Error::InItem { item, source: Box::new(e) },
+        }
+    }
+
     /// Shorthand for [`Error::InvalidField`].
     pub fn invalid(field: impl Into<String>, message: impl Into<String>) -> Self {
         Error::InvalidField { field: field.into(), message: message.into() }
@@ -76,7 +99,8 @@ impl Error {
             Error::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             Error::Unauthorized => StatusCode::UNAUTHORIZED,
             Error::WrongRegion { .. } => StatusCode::FORBIDDEN,
-            Error::InvalidField { .. } => StatusCode::UNPROCESSABLE_ENTITY,
+            Error::InvalidField { .. } | Error::ReportExpired(_) => StatusCode::UNPROCESSABLE_ENTITY,
+            Error::InItem { source, .. } => source.status_code(),
             Error::UnknownQuota(_) | Error::UnknownLease(_) | Error::UnknownAgent(_) | Error::NoRoute(_) => {
                 StatusCode::NOT_FOUND
             }
@@ -96,6 +120,8 @@ impl Error {
             Error::Unauthorized => "unauthorized",
             Error::WrongRegion { .. } => "wrong_region",
             Error::InvalidField { .. } => "invalid_field",
+            Error::ReportExpired(_) => "report_expired",
+            Error::InItem { source, .. } => source.code(),
             Error::UnknownQuota(_) => "unknown_quota",
             Error::UnknownLease(_) => "unknown_lease",
             Error::UnknownAgent(_) => "unknown_agent",
@@ -163,7 +189,16 @@ impl IntoResponse for Error {
             }
             _ => self.to_string(),
         };
-        let mut resp = (status, Json(ErrorBody { error: self.code().into(), message })).into_response();
+        let (field, item) = match &self {
+            Error::InItem { item, source } => match source.as_ref() {
+                Error::InvalidField { field, .. } => (Some(field.clone()), Some(*item)),
+                _ => (None, Some(*item)),
+            },
+            Error::InvalidField { field, .. } => (Some(field.clone()), None),
+            _ => (None, None),
+        };
+        let body = ErrorBody { error: self.code().into(), message, field, item };
+        let mut resp = (status, Json(body)).into_response();
         if status == StatusCode::SERVICE_UNAVAILABLE {
             resp.headers_mut().insert("retry-after", axum::http::HeaderValue::from_static("1"));
         }

@@ -240,8 +240,10 @@ pub(crate) async fn explain(
     check_id("resource", &resource)?;
     let region = q.region.ok_or_else(|| Error::invalid("region", "is required"))?;
     check_id("region", &region)?;
-    let at =
-        q.at.as_deref().map(|s| parse_time("at", s)).transpose()?.unwrap_or_else(|| state.clock.now_utc());
+    let at = match q.at.as_deref() {
+        Some(s) => parse_time("at", s)?,
+        None => state.db_clock.now_on(&state.db).await?,
+    };
     let quota = format!("{tenant}/{resource}");
     let policy = match policies::at(&state.db, &tenant, &resource, at).await? {
         Some(p) => p,
@@ -254,7 +256,7 @@ pub(crate) async fn explain(
     };
     let window = Window::containing(at, policy.window_secs);
     // Read before the stored totals, so every commit before it is in them.
-    let now = state.clock.now_utc();
+    let now = state.db_clock.now_on(&state.db).await?;
     // One snapshot for every read below: the rebuilt parts are checked
     // against the stored totals, which must not move in between.
     let mut tx = state.db.begin().await?;

@@ -83,7 +83,7 @@ pub(crate) async fn grant(
     validate(&req)?;
     if let Err(e) = scope.check(&req.region) {
         state.metrics.inc("allocator_grants_total", &[("outcome", e.code())]);
-        agents::record_refusal(&state.db, state.clock.now_utc(), &e, event_of(&req, None, None)).await?;
+        agents::record_refusal(&state, &e, event_of(&req, None, None)).await?;
         return Err(e);
     }
     let started = Instant::now();
@@ -98,10 +98,13 @@ pub(crate) async fn grant(
             other => break other,
         }
     };
-    let now = state.clock.now_utc();
     let mut headers = HeaderMap::new();
     let result = match outcome {
-        Ok(Outcome::Granted(row)) => {
+        // `expires_in_ms` is counted from the database's instant read in the
+        // grant transaction, after the agent sent the request: the agent's
+        // deadline (send instant + expires_in_ms) can only fall before
+        // `expires_at` (I2), whatever this replica's clock says.
+        Ok((Outcome::Granted(row), now)) => {
             state.metrics.inc(
                 "allocator_grants_total",
                 &[("outcome", if row.tokens > 0 { "granted" } else { "empty" })],
@@ -109,14 +112,14 @@ pub(crate) async fn grant(
             state.metrics.inc_by("allocator_granted_tokens_total", &[], row.tokens as f64);
             Ok(row.to_grant_response(now))
         }
-        Ok(Outcome::Replayed(row)) => {
+        Ok((Outcome::Replayed(row), now)) => {
             state.metrics.inc("allocator_grants_total", &[("outcome", "replayed")]);
             headers.insert("idempotent-replayed", HeaderValue::from_static("true"));
             Ok(row.to_grant_response(now))
         }
         Err(e) => {
             state.metrics.inc("allocator_grants_total", &[("outcome", e.code())]);
-            agents::record_refusal(&state.db, now, &e, event_of(&req, None, None)).await?;
+            agents::record_refusal(&state, &e, event_of(&req, None, None)).await?;
             Err(e)
         }
     };
@@ -154,10 +157,13 @@ fn same_body(row: &LeaseRow, req: &GrantRequest) -> bool {
         && row.window_sel == req.window.unwrap_or_default().as_str()
 }
 
-async fn try_grant(state: &AppState, req: &GrantRequest) -> Result<Outcome> {
-    let now = state.clock.now_utc();
+/// The grant transaction, with the database instant it decided at.
+async fn try_grant(state: &AppState, req: &GrantRequest) -> Result<(Outcome, DateTime<Utc>)> {
     let mut tx = state.db.begin().await?;
     agents::fence(&mut tx, &req.region, &req.agent, req.epoch).await?;
+    // Read after the fence (which may wait on a registration's row lock), so
+    // the window is decided as late as possible on the one clock (I8).
+    let now = state.db_clock.now(&mut tx).await?;
 
     let existing: Option<LeaseRow> = sqlx::query_as(include_str!("sql/lease_by_key.sql"))
         .bind(&req.region)
@@ -176,7 +182,7 @@ async fn try_grant(state: &AppState, req: &GrantRequest) -> Result<Outcome> {
         ledger::append(&mut tx, now, Kind::Replayed, event_of(req, Some(row.lease_id), Some(row.tokens)))
             .await?;
         tx.commit().await?;
-        return Ok(Outcome::Replayed(row));
+        return Ok((Outcome::Replayed(row), now));
     }
 
     let policy = policies::require(&mut tx, &req.tenant, &req.resource).await?;
@@ -199,7 +205,7 @@ async fn try_grant(state: &AppState, req: &GrantRequest) -> Result<Outcome> {
     tx.commit().await?;
     tracing::debug!(tenant = %req.tenant, resource = %req.resource, region = %req.region,
         lease_id = %row.lease_id, epoch = req.epoch, tokens = row.tokens, "lease granted");
-    Ok(Outcome::Granted(row))
+    Ok((Outcome::Granted(row), now))
 }
 
 /// The pool part of the transaction: lock, share, then insert the lease,

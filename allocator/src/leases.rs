@@ -151,8 +151,7 @@ pub(crate) async fn release(
     let lease_id = parse_lease_id(&lease_id)?;
     check_count("epoch", req.epoch, 1)?;
     check_count("unspent", req.unspent, 0)?;
-    let now = state.clock.now_utc();
-    match try_release(&state, &scope, lease_id, &req, now).await {
+    match try_release(&state, &scope, lease_id, &req).await {
         Ok(view) => Ok(Json(view)),
         Err((e, Some(row))) => {
             let event = NewEvent {
@@ -165,7 +164,7 @@ pub(crate) async fn release(
                 tokens: Some(req.unspent),
                 ..Default::default()
             };
-            agents::record_refusal(&state.db, now, &e, event).await?;
+            agents::record_refusal(&state, &e, event).await?;
             Err(e)
         }
         Err((e, None)) => Err(e),
@@ -179,7 +178,6 @@ async fn try_release(
     scope: &AgentScope,
     lease_id: Uuid,
     req: &ReleaseRequest,
-    now: DateTime<Utc>,
 ) -> Result<LeaseView, (Error, Option<LeaseRow>)> {
     let mut tx = state.db.begin().await.map_err(|e| (e.into(), None))?;
     let row: LeaseRow = sqlx::query_as(include_str!("sql/lease_lock.sql"))
@@ -209,6 +207,8 @@ async fn try_release(
             format!("{} is more than the lease's {} tokens", req.unspent, row.tokens),
         )));
     }
+    // Whether the window is still open is decided on the one clock (I8).
+    let now = state.db_clock.now(&mut tx).await.map_err(fail)?;
     let returned = if now < row.window_end() { req.unspent } else { 0 };
     let updated: LeaseRow = sqlx::query_as(include_str!("sql/lease_release.sql"))
         .bind(lease_id)

@@ -234,8 +234,10 @@ struct HorizonRow {
 /// Takes the ledger's horizon now (see `sql/ledger_horizon.sql`). Three
 /// statements in order, each with its own snapshot: the tick, the horizon,
 /// and later the page query.
-pub async fn horizon(db: &PgPool, now: DateTime<Utc>) -> Result<Horizon> {
+pub async fn horizon(db: &PgPool, clock: &crate::time::DbClock) -> Result<Horizon> {
     let mut conn = db.acquire().await?;
+    // On the database's clock, like every event's `at` (I8).
+    let now = clock.now(&mut conn).await?;
     sqlx::query(include_str!("sql/ledger_tick.sql")).execute(&mut *conn).await?;
     let row: HorizonRow =
         sqlx::query_as(include_str!("sql/ledger_horizon.sql")).fetch_one(&mut *conn).await?;
@@ -243,7 +245,7 @@ pub async fn horizon(db: &PgPool, now: DateTime<Utc>) -> Result<Horizon> {
     // horizon. An open ledger writer holds back what committed after it got
     // its xid, hence after its transaction started: `as_of` moves back by
     // how long that transaction has run (measured on the database's clock,
-    // so the allocator's and the database's clocks need not agree).
+    // like `now`).
     let as_of = match (row.since_unknown, row.held_secs) {
         (true, _) => None,
         (false, None) => Some(now),
@@ -306,7 +308,7 @@ pub(crate) async fn list(
                     "format=ndjson exports every matching event; omit limit",
                 ));
             }
-            let horizon = horizon(&state.db, state.clock.now_utc()).await?;
+            let horizon = horizon(&state.db, &state.db_clock).await?;
             return Ok(export(state.db.clone(), filter, cursor.unwrap_or_default(), horizon));
         }
         other => return Err(Error::invalid("format", format!("must be json or ndjson, got {other:?}"))),
@@ -315,7 +317,7 @@ pub(crate) async fn list(
     if !(1..=MAX_PAGE).contains(&limit) {
         return Err(Error::invalid("limit", format!("must be between 1 and {MAX_PAGE}, got {limit}")));
     }
-    let horizon = horizon(&state.db, state.clock.now_utc()).await?;
+    let horizon = horizon(&state.db, &state.db_clock).await?;
     let events = page(&state.db, &filter, cursor.unwrap_or_default(), limit, &horizon).await?;
     let next_cursor = events.last().map(Event::cursor).or(q.cursor.filter(|c| !c.is_empty()));
     Ok(Json(LedgerPage { events, next_cursor, as_of: horizon.as_of }).into_response())

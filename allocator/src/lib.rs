@@ -18,7 +18,8 @@
 //! * [`windows`]: per-window accounting with the overshoot bound (I6).
 //! * [`ledger`]: the append-only event log.
 //! * [`explain`]: why admission looked the way it did for a region.
-//! * [`retention`]: the background deletion of old ledger events and leases.
+//! * [`retention`]: the background deletion of everything beyond a horizon.
+//! * [`time`]: the one clock for windows, the database's (I8, DESIGN §6).
 //! * [`ui`]: the read-only HTML dashboard with SVG charts.
 //! * [`openapi`]: the OpenAPI document generated from the handlers.
 //! * [`health`]: liveness, readiness and metrics endpoints.
@@ -41,11 +42,12 @@ pub mod reports;
 pub mod retention;
 pub mod share;
 pub mod telemetry;
+pub mod time;
 pub mod tls;
 pub mod ui;
 pub mod windows;
 
-use quota_shared::clock::{Clock, SystemClock};
+use quota_shared::clock::{Clock, OffsetClock, SystemClock};
 use quota_shared::prom::Registry;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::PgPool;
@@ -60,13 +62,25 @@ pub use error::{Error, Result};
 /// Migrations embedded from the workspace's `migrations/` folder.
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations");
 
+/// `--retention-hours` by default.
+pub const DEFAULT_RETENTION_HOURS: u64 = 168;
+
 /// Shared state of every handler.
 #[derive(Clone)]
 pub struct AppState {
     /// The connection pool.
     pub db: PgPool,
-    /// The allocator's UTC clock: the one clock for windows (I8).
+    /// This replica's own clock. Nothing that decides or stamps a window
+    /// reads it any more (all of that reads [`AppState::db_clock`]); the
+    /// hidden `--test-clock-offset-ms` shifts it, so a test of replicas with
+    /// skewed clocks fails if a decision ever reads it again.
     pub clock: Arc<dyn Clock>,
+    /// The one clock for windows: the database's (I8, DESIGN §6).
+    pub db_clock: time::DbClock,
+    /// Report items of windows that started longer ago than this are
+    /// refused (`report_expired`), which makes deleting report records
+    /// beyond it safe; `None` accepts any age (retention disabled).
+    pub report_horizon: Option<chrono::Duration>,
     /// Prometheus series.
     pub metrics: Arc<Registry>,
     /// Bearer tokens; `None` leaves that class of routes open (loopback only).
@@ -79,6 +93,8 @@ impl AppState {
         AppState {
             db,
             clock: Arc::new(SystemClock),
+            db_clock: time::DbClock::database(),
+            report_horizon: Some(retention::hours(DEFAULT_RETENTION_HOURS)),
             metrics: Arc::new(http::metrics::registry()),
             auth: http::auth::Tokens::default(),
         }
@@ -163,7 +179,13 @@ async fn reload_files(
 }
 
 /// What the binary does: validate the configuration, connect, serve until a
-/// signal arrives.
+/// signal arrives, then stop within `--shutdown-timeout-secs`.
+///
+/// Shutdown is bounded whatever state PostgreSQL is in: the first signal
+/// stops accepting, stops the retention job and lets in-flight requests
+/// finish; requests still running at the deadline (a paused database does
+/// not even let its own statement timeout fire) are cut by returning, which
+/// drops their tasks and connections. A second signal exits at once.
 pub async fn serve(config: config::Config) -> Result<(), String> {
     let database_url = config.database_url.clone().ok_or_else(|| {
         "DATABASE_URL is not set: pass --database-url postgres://USER@HOST/DB or set DATABASE_URL".to_string()
@@ -191,15 +213,62 @@ pub async fn serve(config: config::Config) -> Result<(), String> {
     let listener = TcpListener::bind(addr).await.map_err(|e| format!("cannot listen on {addr}: {e}"))?;
     let mut state = AppState::new(db);
     state.auth = tokens;
-    let sweeper = retention::Retention::from_hours(config.retention_hours, config.retention_batch)
-        .map(|cfg| tokio::spawn(retention::run(state.db.clone(), state.clock.clone(), cfg)));
+    state.report_horizon = (config.retention_hours > 0).then(|| retention::hours(config.retention_hours));
+    if config.test_clock_offset_ms != 0 {
+        tracing::warn!(
+            offset_ms = config.test_clock_offset_ms,
+            "test flag: this replica's own clock is shifted"
+        );
+        state.clock = Arc::new(OffsetClock::new(chrono::Duration::milliseconds(config.test_clock_offset_ms)));
+    }
+    let sweeper = retention::Retention::from_hours(
+        config.retention_hours,
+        config.window_retention_hours,
+        config.retention_batch,
+    )
+    .map(|cfg| tokio::spawn(retention::run(state.db.clone(), state.db_clock.clone(), cfg)));
     tracing::info!(addr = %listener.local_addr().map_err(|e| e.to_string())?, tls = tls.is_some(),
         mtls = config.tls_client_ca.is_some(), "allocator listening");
-    let served = run_with_tls(listener, state, tls, telemetry::shutdown_signal()).await;
+
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let mut server = tokio::spawn(run_with_tls(listener, state.clone(), tls, async move {
+        let _ = stop_rx.await;
+    }));
+    let deadline = Duration::from_secs(config.shutdown_timeout_secs);
+    let served = tokio::select! {
+        r = &mut server => r,
+        _ = telemetry::shutdown_signal() => {
+            let _ = stop_tx.send(());
+            if let Some(s) = &sweeper {
+                s.abort();
+            }
+            // From here a second signal ends the process at once.
+            tokio::spawn(async {
+                telemetry::shutdown_signal().await;
+                eprintln!("allocator: second signal, exiting at once");
+                std::process::exit(1);
+            });
+            match tokio::time::timeout(deadline, &mut server).await {
+                Ok(r) => r,
+                Err(_) => {
+                    tracing::warn!(deadline_secs = deadline.as_secs(), "in-flight requests cut at the shutdown deadline");
+                    server.abort();
+                    Ok(Ok(()))
+                }
+            }
+        }
+    };
     if let Some(s) = sweeper {
         s.abort();
     }
-    served.map_err(|e| format!("server failed: {e}"))?;
+    match served {
+        Ok(r) => r.map_err(|e| format!("server failed: {e}"))?,
+        Err(e) if e.is_cancelled() => {}
+        Err(e) => return Err(format!("server task failed: {e}")),
+    }
+    // Closing the pool waits for connections in use; a paused database would
+    // hold it, so it is bounded too (the process exits right after).
+    let _ = tokio::time::timeout(Duration::from_secs(1), state.db.close()).await;
     tracing::info!("allocator stopped");
     Ok(())
 }

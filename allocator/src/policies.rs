@@ -300,8 +300,9 @@ pub(crate) async fn put_policy(
             )
         }
     };
-    let now = state.clock.now_utc();
     let mut tx = state.db.begin().await?;
+    // Which pools are open (I9) is decided on the one clock (I8).
+    let now = state.db_clock.now(&mut tx).await?;
     // The row lock serialises concurrent writers so versions stay strictly increasing.
     let current: Option<i64> = sqlx::query_scalar(include_str!("sql/policy_lock_version.sql"))
         .bind(&tenant)

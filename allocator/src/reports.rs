@@ -1,6 +1,15 @@
 //! `POST /v1/reports`: what a region admitted, from leases (`consumed`) and
 //! from its fallback allowance (`fallback_admitted`), per quota and window.
 //! Applied exactly once per `report_id` (I7); epoch-fenced (I4).
+//!
+//! All or nothing: when one item is bad the report is refused with the
+//! item's index (`item`) and field in the answer, and nothing of it is
+//! applied, so the sender can tell which item to fix or drop instead of
+//! losing the whole report to a bare 422. An item of a window in the future
+//! (on the database's clock, I8) is `invalid_field`; one of a window that
+//! started beyond the retention horizon is `report_expired`: its report
+//! record may already be deleted (see [`crate::retention`]), and refusing it
+//! is what keeps a replay of a deleted report from applying twice.
 
 use crate::agents;
 use crate::http::auth::AgentScope;
@@ -12,7 +21,7 @@ use axum::extract::State;
 use axum::routing::post;
 use axum::{Json, Router};
 use chrono::{DateTime, Utc};
-use quota_shared::wire::{ErrorBody, ReportRequest, ReportResponse};
+use quota_shared::wire::{ErrorBody, ReportItem, ReportRequest, ReportResponse};
 use sqlx::PgConnection;
 
 /// Most items one report may carry.
@@ -20,6 +29,11 @@ pub const MAX_ITEMS: usize = 500;
 
 /// Longest `report_id` accepted.
 pub const MAX_REPORT_ID_LEN: usize = 128;
+
+/// How far ahead of the database's clock an item's window may start: an
+/// agent's view of the window boundary is derived from earlier answers and
+/// its monotonic clock, so it can open the next window a little early.
+pub const FUTURE_TOLERANCE_SECS: i64 = 5;
 
 /// Routes of this module.
 pub fn router() -> Router<AppState> {
@@ -46,12 +60,50 @@ fn validate(req: &ReportRequest) -> Result<()> {
         ));
     }
     for (i, item) in req.items.iter().enumerate() {
-        check_id(&format!("items[{i}].tenant"), &item.tenant)?;
-        check_id(&format!("items[{i}].resource"), &item.resource)?;
-        check_count(&format!("items[{i}].consumed"), item.consumed, 0)?;
-        check_count(&format!("items[{i}].fallback_admitted"), item.fallback_admitted, 0)?;
-        if item.window_start.timestamp_subsec_nanos() != 0 {
-            return Err(Error::invalid(format!("items[{i}].window_start"), "must be a whole second"));
+        validate_item(i, item).map_err(|e| e.in_item(i))?;
+    }
+    Ok(())
+}
+
+fn validate_item(i: usize, item: &ReportItem) -> Result<()> {
+    check_id(&format!("items[{i}].tenant"), &item.tenant)?;
+    check_id(&format!("items[{i}].resource"), &item.resource)?;
+    check_count(&format!("items[{i}].consumed"), item.consumed, 0)?;
+    check_count(&format!("items[{i}].fallback_admitted"), item.fallback_admitted, 0)?;
+    if item.window_start.timestamp_subsec_nanos() != 0 {
+        return Err(Error::invalid(format!("items[{i}].window_start"), "must be a whole second"));
+    }
+    Ok(())
+}
+
+/// Whether item `i`'s window is plausible at `now` (the database's clock):
+/// not in the future, not beyond the report horizon.
+pub fn check_item_time(
+    i: usize,
+    item: &ReportItem,
+    now: DateTime<Utc>,
+    horizon: Option<chrono::Duration>,
+) -> Result<()> {
+    let latest = now + chrono::Duration::seconds(FUTURE_TOLERANCE_SECS);
+    if item.window_start > latest {
+        return Err(Error::invalid(
+            format!("items[{i}].window_start"),
+            format!(
+                "{} is in the future (now {now} on the allocator's clock)",
+                item.window_start.to_rfc3339()
+            ),
+        )
+        .in_item(i));
+    }
+    if let Some(h) = horizon {
+        if item.window_start < now - h {
+            return Err(Error::ReportExpired(format!(
+                "items[{i}].window_start: {} is beyond the retention horizon of {} h: \
+                 reports of that window can no longer be applied exactly once",
+                item.window_start.to_rfc3339(),
+                h.num_hours()
+            ))
+            .in_item(i));
         }
     }
     Ok(())
@@ -68,7 +120,7 @@ fn validate(req: &ReportRequest) -> Result<()> {
         (status = 403, description = "wrong_region: the credential acts only for another region", body = ErrorBody),
         (status = 404, description = "Unknown quota or agent", body = ErrorBody),
         (status = 409, description = "stale_epoch or idempotency_mismatch", body = ErrorBody),
-        (status = 422, description = "Invalid value; the message names the field", body = ErrorBody),
+        (status = 422, description = "invalid_field (the message and `field` name the field, `item` the report item; nothing applied) or report_expired (an item's window started beyond the retention horizon)", body = ErrorBody),
     ),
     security(("agent_token" = [])),
     tag = "agents"
@@ -79,9 +131,8 @@ pub(crate) async fn report(
     ApiJson(req): ApiJson<ReportRequest>,
 ) -> Result<Json<ReportResponse>> {
     validate(&req)?;
-    let now = state.clock.now_utc();
     let outcome = match scope.check(&req.region) {
-        Ok(()) => apply(&state, &req, now).await,
+        Ok(()) => apply(&state, &req).await,
         Err(e) => Err(e),
     };
     match outcome {
@@ -94,16 +145,24 @@ pub(crate) async fn report(
                 detail: Some(serde_json::json!({"report_id": req.report_id})),
                 ..Default::default()
             };
-            agents::record_refusal(&state.db, now, &e, event).await?;
+            agents::record_refusal(&state, &e, event).await?;
             Err(e)
         }
     }
 }
 
-async fn apply(state: &AppState, req: &ReportRequest, now: DateTime<Utc>) -> Result<i64> {
+async fn apply(state: &AppState, req: &ReportRequest) -> Result<i64> {
     let body = serde_json::to_value(req).map_err(|e| Error::Internal(Box::new(e)))?;
     let mut tx = state.db.begin().await?;
     agents::fence(&mut tx, &req.region, &req.agent, req.epoch).await?;
+    let now = state.db_clock.now(&mut tx).await?;
+    // Before the idempotency lookup, so the answer for an old report does
+    // not depend on whether retention has deleted its record yet.
+    for (i, item) in req.items.iter().enumerate() {
+        check_item_time(i, item, now, state.report_horizon)?;
+    }
+    let newest_window_start =
+        req.items.iter().map(|i| i.window_start.timestamp()).max().unwrap_or_else(|| now.timestamp());
     // A concurrent duplicate waits on the primary key and then finds the row.
     let inserted: Option<i64> = sqlx::query_scalar(include_str!("sql/report_insert.sql"))
         .bind(&req.report_id)
@@ -113,6 +172,7 @@ async fn apply(state: &AppState, req: &ReportRequest, now: DateTime<Utc>) -> Res
         .bind(&body)
         .bind(req.items.len() as i64)
         .bind(now)
+        .bind(newest_window_start)
         .fetch_optional(&mut *tx)
         .await?;
     if inserted.is_none() {
@@ -139,18 +199,34 @@ async fn apply(state: &AppState, req: &ReportRequest, now: DateTime<Utc>) -> Res
         return Ok(accepted);
     }
     // A fixed order of row locks, so two reports never deadlock each other.
-    let mut items: Vec<_> = req.items.iter().collect();
-    items.sort_by(|a, b| {
+    let mut items: Vec<_> = req.items.iter().enumerate().collect();
+    items.sort_by(|(_, a), (_, b)| {
         (&a.tenant, &a.resource, a.window_start).cmp(&(&b.tenant, &b.resource, b.window_start))
     });
-    for item in items {
-        let policy = policies::require(&mut tx, &item.tenant, &item.resource).await?;
+    // Any error below rolls the whole transaction back: nothing is applied.
+    for (i, item) in items {
+        apply_item(&mut tx, req, i, item, now).await.map_err(|e| e.in_item(i))?;
+    }
+    tx.commit().await?;
+    Ok(req.items.len() as i64)
+}
+
+/// Applies item `i` inside the report's transaction.
+async fn apply_item(
+    tx: &mut PgConnection,
+    req: &ReportRequest,
+    i: usize,
+    item: &ReportItem,
+    now: DateTime<Utc>,
+) -> Result<()> {
+    {
+        let policy = policies::require(&mut *tx, &item.tenant, &item.resource).await?;
         let start = item.window_start.timestamp();
         let window_secs =
-            pool_window_secs(&mut tx, &item.tenant, &item.resource, start, policy.window_secs).await?;
+            pool_window_secs(&mut *tx, &item.tenant, &item.resource, start, policy.window_secs).await?;
         if start.rem_euclid(window_secs) != 0 {
             return Err(Error::invalid(
-                "items.window_start",
+                format!("items[{i}].window_start"),
                 format!("{} is not the start of a {window_secs} s window", item.window_start),
             ));
         }
@@ -189,10 +265,9 @@ async fn apply(state: &AppState, req: &ReportRequest, now: DateTime<Utc>) -> Res
             })),
             ..Default::default()
         };
-        ledger::append(&mut tx, now, Kind::Reported, event).await?;
+        ledger::append(&mut *tx, now, Kind::Reported, event).await?;
     }
-    tx.commit().await?;
-    Ok(req.items.len() as i64)
+    Ok(())
 }
 
 /// The window length of the pool a report item belongs to: the pool that
@@ -213,4 +288,52 @@ async fn pool_window_secs(
         .fetch_optional(conn)
         .await?;
     Ok(existing.unwrap_or(current))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::http::StatusCode;
+    use chrono::Duration;
+
+    fn item(window_start: &str) -> ReportItem {
+        ReportItem {
+            tenant: "atlas".into(),
+            resource: "read".into(),
+            window_start: window_start.parse().unwrap(),
+            consumed: 1,
+            fallback_admitted: 0,
+        }
+    }
+
+    #[test]
+    fn item_windows_are_checked_against_the_database_clock_and_the_horizon() {
+        let now: DateTime<Utc> = "2026-12-03T10:00:30Z".parse().unwrap();
+        let week = Some(Duration::hours(168));
+        let code =
+            |ws: &str, h| check_item_time(3, &item(ws), now, h).err().map(|e| (e.code(), e.status_code()));
+        // The current window, and the next one within the tolerance.
+        assert_eq!(code("2026-12-03T10:00:00Z", week), None);
+        assert_eq!(code("2026-12-03T10:00:35Z", week), None);
+        // Further ahead: in the future.
+        assert_eq!(
+            code("2026-12-03T10:00:36Z", week),
+            Some(("invalid_field", StatusCode::UNPROCESSABLE_ENTITY))
+        );
+        // Exactly at the horizon still applies; one second beyond does not.
+        assert_eq!(code("2026-11-26T10:00:30Z", week), None);
+        assert_eq!(
+            code("2026-11-26T10:00:29Z", week),
+            Some(("report_expired", StatusCode::UNPROCESSABLE_ENTITY))
+        );
+        // Retention disabled: any age applies.
+        assert_eq!(code("2000-01-01T00:00:00Z", None), None);
+        // The error names the item.
+        match check_item_time(3, &item("2030-01-01T00:00:00Z"), now, week) {
+            Err(Error::InItem { item: 3, source }) => {
+                assert!(source.to_string().contains("items[3].window_start"))
+            }
+            other => panic!("{other:?}"),
+        }
+    }
 }

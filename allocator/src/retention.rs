@@ -1,25 +1,46 @@
-//! Retention: ledger events and leases older than a horizon are deleted by a
-//! background job in bounded batches, while the per-window summaries (the
-//! `pool` and `pool_region` rows) stay, so `GET /v1/windows` still answers
-//! for old windows and I6 can still be checked for them.
+//! Retention: a background job deletes, in bounded batches, everything
+//! older than a horizon (`--retention-hours`): ledger events, leases, the
+//! report records that make reports exactly-once (I7), and agents that are
+//! gone. Per-window summaries (the `pool` and `pool_region` rows that
+//! `GET /v1/windows` reads) follow a longer horizon of their own
+//! (`--window-retention-hours`), so I6 can still be checked for windows
+//! well after their detail is gone.
+//!
+//! Deleting is safe because of what the endpoints refuse:
+//!
+//! * a report record is deleted only once the newest window it counts
+//!   started beyond the horizon, and `POST /v1/reports` refuses an item of
+//!   such a window (`422 report_expired`), so a report replayed after its
+//!   record went can never apply twice;
+//! * a pool is deleted only once its window ended beyond the summary
+//!   horizon, which is never shorter than the report horizon, and grants
+//!   take only the current or next window, so nothing recreates it;
+//! * an agent row is deleted only when it registered before the horizon and
+//!   no lease and no report names it any more (those go at the same
+//!   horizon): it has not registered, been granted, released or reported for
+//!   longer than the horizon. Its epoch is not lost: the highest deleted
+//!   epoch of each region is kept (`agent_epoch_floor`, one row per region)
+//!   and a registration of an unknown agent starts above it, so no epoch of
+//!   a `(region, agent)` ever repeats or goes backwards (I4). Keeping every
+//!   agent's own epoch instead would keep one row per pod name ever seen.
 //!
 //! Batches bound each statement's lock footprint and WAL burst; the pause
-//! between batches leaves the database to the grants. Report rows (the I7
-//! idempotency records) are kept: an agent may resend a report from its
-//! outbox long after the fact, and forgetting its id would apply it twice.
+//! between batches leaves the database to the grants. Cutoffs come from the
+//! database's clock (see [`crate::time`]).
 
+use crate::time::DbClock;
 use crate::Result;
 use chrono::{DateTime, Duration, Utc};
-use quota_shared::clock::Clock;
 use sqlx::PgPool;
-use std::sync::Arc;
 
 /// How the job runs.
 #[derive(Debug, Clone)]
 pub struct Retention {
-    /// Rows older than this go; must be positive (0 hours disables the job
-    /// before it is built).
+    /// Ledger events, leases, reports and agents older than this go.
     pub horizon: Duration,
+    /// Pools of windows that ended longer ago than this go; `None` keeps
+    /// them. Never shorter than `horizon`.
+    pub window_horizon: Option<Duration>,
     /// Rows per delete statement.
     pub batch: i64,
     /// Pause between two batches.
@@ -28,11 +49,20 @@ pub struct Retention {
     pub every: std::time::Duration,
 }
 
+/// Hours as a duration, saturating instead of overflowing.
+pub fn hours(h: u64) -> Duration {
+    Duration::hours(h.min(i64::MAX as u64 / 3_600_000) as i64)
+}
+
 impl Retention {
-    /// The job for `--retention-hours`, `None` when it is 0 (disabled).
-    pub fn from_hours(hours: u64, batch: i64) -> Option<Retention> {
-        (hours > 0).then(|| Retention {
-            horizon: Duration::hours(hours.min(i64::MAX as u64 / 3600) as i64),
+    /// The job for `--retention-hours` and `--window-retention-hours`,
+    /// `None` when the first is 0 (disabled). A summary horizon shorter than
+    /// the report horizon is raised to it: a pool deleted while reports of
+    /// its window are still accepted would be recreated half empty.
+    pub fn from_hours(hours_: u64, window_hours: u64, batch: i64) -> Option<Retention> {
+        (hours_ > 0).then(|| Retention {
+            horizon: hours(hours_),
+            window_horizon: (window_hours > 0).then(|| hours(window_hours.max(hours_))),
             batch: batch.max(1),
             pause: std::time::Duration::from_millis(100),
             every: std::time::Duration::from_secs(600),
@@ -45,43 +75,115 @@ impl Retention {
 pub struct Purged {
     pub ledger_events: u64,
     pub leases: u64,
+    pub reports: u64,
+    pub pools: u64,
+    pub agents: u64,
 }
 
-/// Deletes ledger events stamped before `cutoff` and leases that expired
-/// before it, `batch` rows per statement, until a statement deletes fewer
-/// than a batch.
-pub async fn purge(
-    db: &PgPool,
-    cutoff: DateTime<Utc>,
-    batch: i64,
-    pause: std::time::Duration,
-) -> Result<Purged> {
-    let mut purged = Purged::default();
-    for (sql, count) in [
-        (include_str!("sql/retention_ledger.sql"), &mut purged.ledger_events),
-        (include_str!("sql/retention_lease.sql"), &mut purged.leases),
-    ] {
-        loop {
-            let n = sqlx::query(sql).bind(cutoff).bind(batch).execute(db).await?.rows_affected();
-            *count += n;
-            if n < batch as u64 {
-                break;
-            }
-            tokio::time::sleep(pause).await;
+/// One kind of row the job deletes.
+#[derive(Clone, Copy)]
+enum Step<'a> {
+    LedgerEvents,
+    Leases,
+    Reports,
+    Pools,
+    Agents { region: &'a str },
+}
+
+/// Deletes one batch of `step`'s rows older than `cutoff` (pools: whose
+/// window ended before `cutoff`); answers how many went.
+async fn one_batch(db: &PgPool, step: Step<'_>, cutoff: DateTime<Utc>, batch: i64) -> Result<u64> {
+    Ok(match step {
+        Step::LedgerEvents => {
+            let q = sqlx::query(include_str!("sql/retention_ledger.sql"));
+            q.bind(cutoff).bind(batch).execute(db).await?.rows_affected()
         }
+        Step::Leases => {
+            let q = sqlx::query(include_str!("sql/retention_lease.sql"));
+            q.bind(cutoff).bind(batch).execute(db).await?.rows_affected()
+        }
+        Step::Reports => {
+            let q = sqlx::query(include_str!("sql/retention_report.sql"));
+            q.bind(cutoff.timestamp()).bind(batch).execute(db).await?.rows_affected()
+        }
+        Step::Pools => {
+            let q = sqlx::query(include_str!("sql/retention_pool.sql"));
+            q.bind(cutoff.timestamp()).bind(batch).execute(db).await?.rows_affected()
+        }
+        Step::Agents { region } => {
+            let mut tx = db.begin().await?;
+            sqlx::query(include_str!("sql/agent_region_lock_exclusive.sql"))
+                .bind(region)
+                .execute(&mut *tx)
+                .await?;
+            let n: i64 = sqlx::query_scalar(include_str!("sql/retention_agent.sql"))
+                .bind(cutoff)
+                .bind(batch)
+                .bind(region)
+                .fetch_one(&mut *tx)
+                .await?;
+            tx.commit().await?;
+            n as u64
+        }
+    })
+}
+
+/// Runs `step` in batches until one deletes fewer than a batch.
+async fn batches(db: &PgPool, step: Step<'_>, cutoff: DateTime<Utc>, cfg: &Retention) -> Result<u64> {
+    let mut total = 0;
+    loop {
+        let n = one_batch(db, step, cutoff, cfg.batch).await?;
+        total += n;
+        if n < cfg.batch as u64 {
+            return Ok(total);
+        }
+        tokio::time::sleep(cfg.pause).await;
+    }
+}
+
+/// Deletes what is older than `now − horizon` (and pools older than
+/// `now − window_horizon`), `batch` rows per statement. Agents go last:
+/// whether one is gone depends on its leases and reports being deleted.
+pub async fn purge(db: &PgPool, now: DateTime<Utc>, cfg: &Retention) -> Result<Purged> {
+    let cutoff = now - cfg.horizon;
+    let mut purged = Purged {
+        ledger_events: batches(db, Step::LedgerEvents, cutoff, cfg).await?,
+        leases: batches(db, Step::Leases, cutoff, cfg).await?,
+        reports: batches(db, Step::Reports, cutoff, cfg).await?,
+        ..Purged::default()
+    };
+    if let Some(wh) = cfg.window_horizon {
+        purged.pools = batches(db, Step::Pools, now - wh, cfg).await?;
+    }
+    let regions: Vec<String> = sqlx::query_scalar(include_str!("sql/retention_agent_regions.sql"))
+        .bind(cutoff)
+        .fetch_all(db)
+        .await?;
+    for region in &regions {
+        purged.agents += batches(db, Step::Agents { region }, cutoff, cfg).await?;
     }
     Ok(purged)
 }
 
+/// One sweep at the database's current time.
+pub async fn sweep(db: &PgPool, clock: &DbClock, cfg: &Retention) -> Result<Purged> {
+    let now = clock.now_on(db).await?;
+    purge(db, now, cfg).await
+}
+
 /// Sweeps every `cfg.every` for ever; the caller aborts the task at
-/// shutdown, which is safe because each batch is one atomic statement.
-pub async fn run(db: PgPool, clock: Arc<dyn Clock>, cfg: Retention) {
+/// shutdown, which is safe because each batch is one transaction.
+pub async fn run(db: PgPool, clock: DbClock, cfg: Retention) {
     loop {
-        let cutoff = clock.now_utc() - cfg.horizon;
-        match purge(&db, cutoff, cfg.batch, cfg.pause).await {
-            Ok(p) if p != Purged::default() => {
-                tracing::info!(ledger_events = p.ledger_events, leases = p.leases, %cutoff, "retention purged rows")
-            }
+        match sweep(&db, &clock, &cfg).await {
+            Ok(p) if p != Purged::default() => tracing::info!(
+                ledger_events = p.ledger_events,
+                leases = p.leases,
+                reports = p.reports,
+                pools = p.pools,
+                agents = p.agents,
+                "retention purged rows"
+            ),
             Ok(_) => {}
             Err(e) => tracing::warn!(error = %e, "retention sweep failed; retrying at the next sweep"),
         }

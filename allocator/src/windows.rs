@@ -126,8 +126,9 @@ pub(crate) async fn list(
 ) -> Result<Json<WindowsPage>> {
     check_id("tenant", &tenant)?;
     check_id("resource", &resource)?;
-    let now = state.clock.now_utc();
     let mut conn = state.db.acquire().await?;
+    // Which windows are closed, and the default range, on the one clock (I8).
+    let now = state.db_clock.now(&mut conn).await?;
     let policy = policies::require(&mut conn, &tenant, &resource).await?;
     let w = Duration::seconds(policy.window_secs);
     let from = q.from.as_deref().map(|s| parse_time("from", s)).transpose()?.unwrap_or(now - w * 10);

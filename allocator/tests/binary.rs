@@ -103,3 +103,170 @@ async fn migrates_serves_stops_on_sigterm_and_keeps_epochs_across_restarts() {
             .unwrap();
     assert!(e3 > e2, "epoch {e3} after SIGKILL and restart must exceed {e2}");
 }
+
+/// The database's clock, read as the test's own client sees it.
+async fn db_now(pg: &sqlx::PgPool) -> chrono::DateTime<chrono::Utc> {
+    sqlx::query_scalar("select clock_timestamp()").fetch_one(pg).await.unwrap()
+}
+
+fn at(s: &serde_json::Value) -> chrono::DateTime<chrono::Utc> {
+    s.as_str().expect("timestamp").parse().expect("RFC 3339")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_30_s_apart_grant_only_the_database_s_current_or_next_window() {
+    let db = TestDb::start().await;
+    let pg = sqlx::PgPool::connect(&db.url).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let (p1, p2) = (quota_tests::free_port(), quota_tests::free_port());
+    let _a = spawn(&db.url, p1, &dir.path().join("a.log"), &[]);
+    // The hidden test flag: this replica's own clock runs 30 s ahead.
+    let _b = spawn(&db.url, p2, &dir.path().join("b.log"), &["--test-clock-offset-ms", "30000"]);
+    let (a, b) = (Http::new(&format!("http://127.0.0.1:{p1}")), Http::new(&format!("http://127.0.0.1:{p2}")));
+    wait_healthy(&a).await;
+    wait_healthy(&b).await;
+    // 20 s windows: 30 s of skew always lands in another window, so a
+    // replica deciding on its own clock would fail every "current" grant.
+    // A lease may live a whole window, so "next" is always allowed.
+    let w = 20;
+    a.put("/v1/policies/atlas/read", &json!({"limit": 1_000_000, "window_secs": w, "lease_ttl_secs": w}))
+        .await
+        .expect(200);
+    let epoch =
+        a.post("/v1/agents/register", &json!({"region": "eu", "agent": "eu-1"})).await.expect(200).body
+            ["epoch"]
+            .as_i64()
+            .unwrap();
+    let mut seq = 0;
+    for round in 0..6 {
+        for (name, http) in [("a", &a), ("b (+30 s)", &b)] {
+            for sel in ["current", "next"] {
+                seq += 1;
+                let body = json!({"tenant": "atlas", "resource": "read", "region": "eu", "agent": "eu-1",
+                    "epoch": epoch, "seq": seq, "want": 1, "demand_per_sec": 1.0, "window": sel});
+                let before = db_now(&pg).await;
+                let g = http.post("/v1/grants", &body).await.expect(200).body;
+                let after = db_now(&pg).await;
+                let start = at(&g["window_start"]).timestamp();
+                let end = at(&g["window_end"]);
+                let shift = if sel == "next" { w } else { 0 };
+                let allowed = [
+                    before.timestamp().div_euclid(w) * w + shift,
+                    after.timestamp().div_euclid(w) * w + shift,
+                ];
+                assert!(
+                    allowed.contains(&start),
+                    "round {round}, replica {name}, {sel}: window {start} is not the database's {sel} window {allowed:?}"
+                );
+                // I2 against the database's clock, and expires_in_ms counted
+                // from it (between the two reads, a few ms of slack).
+                let expires_at = at(&g["expires_at"]);
+                assert!(expires_at <= end, "I2: {g}");
+                let in_ms = g["expires_in_ms"].as_i64().unwrap();
+                let lo = (expires_at - after).num_milliseconds() - 5;
+                let hi = (expires_at - before).num_milliseconds() + 5;
+                assert!(
+                    (lo..=hi).contains(&in_ms),
+                    "replica {name}, {sel}: expires_in_ms {in_ms} not within [{lo}, {hi}] of the database's clock"
+                );
+            }
+        }
+    }
+    // Every lease row, whichever replica wrote it, belongs to the window of
+    // its issue instant on the database's clock, or the next one.
+    let bad: i64 = sqlx::query_scalar(
+        "select count(*) from lease where window_start not in \
+           (floor(extract(epoch from issued_at) / window_secs)::bigint * window_secs, \
+            floor(extract(epoch from issued_at) / window_secs)::bigint * window_secs + window_secs) \
+         or expires_at > to_timestamp((window_start + window_secs)::double precision)",
+    )
+    .fetch_one(&pg)
+    .await
+    .unwrap();
+    assert_eq!(bad, 0);
+}
+
+/// Sends SIGTERM (and, when `second` is set, a second one 200 ms later)
+/// to an allocator whose PostgreSQL is paused with a request in flight;
+/// answers how long the process took to exit.
+async fn stop_with_postgres_paused(deadline_secs: &str, second: bool) -> Duration {
+    let db = TestDb::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let port = quota_tests::free_port();
+    let http = Http::new(&format!("http://127.0.0.1:{port}"));
+    let mut child =
+        spawn(&db.url, port, &dir.path().join("a.log"), &["--shutdown-timeout-secs", deadline_secs]);
+    wait_healthy(&http).await;
+    http.post("/v1/agents/register", &json!({"region": "eu", "agent": "eu-1"})).await.expect(200);
+
+    // A request in flight inside its transaction: it waits for a row lock
+    // the test holds, then PostgreSQL is paused, so neither the lock nor the
+    // statement timeout (both server-side) can ever end it.
+    let pg = sqlx::PgPool::connect(&db.url).await.unwrap();
+    let mut holder = pg.begin().await.unwrap();
+    sqlx::query("select 1 from agent where region = 'eu' and agent = 'eu-1' for update")
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    let client = reqwest::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
+    let url = format!("http://127.0.0.1:{port}/v1/agents/register");
+    let mut in_flight = tokio::spawn(async move {
+        client.post(url).json(&json!({"region": "eu", "agent": "eu-1"})).send().await.map(|r| r.status())
+    });
+    quota_tests::wait::until("the registration to wait on the row lock", Duration::from_secs(10), || {
+        let pg = pg.clone();
+        async move {
+            let waiting: i64 = sqlx::query_scalar(
+                "select count(*) from pg_stat_activity where wait_event_type = 'Lock' and query like '%insert into agent (%'",
+            )
+            .fetch_one(&pg)
+            .await
+            .unwrap();
+            (waiting > 0).then_some(())
+        }
+    })
+    .await;
+    db.signal_all(libc::SIGSTOP);
+    if let Ok(r) = tokio::time::timeout(Duration::from_millis(300), &mut in_flight).await {
+        panic!("the request must be stuck on the paused database, got {r:?}");
+    }
+
+    let started = std::time::Instant::now();
+    child.signal(libc::SIGTERM);
+    if second {
+        // Past the first signal's handling, well before any deadline.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        child.signal(libc::SIGTERM);
+    }
+    let status = quota_tests::wait::until("the allocator to exit", Duration::from_secs(40), || {
+        let s = child.try_wait();
+        async move { s }
+    })
+    .await;
+    let took = started.elapsed();
+    db.signal_all(libc::SIGCONT);
+    drop(holder);
+    let log = std::fs::read_to_string(dir.path().join("a.log")).unwrap();
+    if second {
+        assert!(!status.success(), "a second signal exits at once, non-zero: {status}\n{log}");
+    } else {
+        assert!(status.success(), "{status}\n{log}");
+        assert!(log.contains("cut at the shutdown deadline"), "{log}");
+    }
+    took
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_stops_within_the_deadline_with_postgres_paused() {
+    let took = stop_with_postgres_paused("2", false).await;
+    assert!(
+        took >= Duration::from_millis(1900) && took < Duration::from_secs(5),
+        "exit after {took:?}, the deadline is 2 s"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_sigterm_exits_at_once_with_postgres_paused() {
+    let took = stop_with_postgres_paused("30", true).await;
+    assert!(took < Duration::from_secs(3), "exit after {took:?}, the deadline is 30 s");
+}

@@ -256,10 +256,17 @@ pub struct ReportResponse {
     pub accepted: i64,
 }
 
-/// Every error answer: `{"error": "<code>", "message": "..."}`.
+/// Every error answer: `{"error": "<code>", "message": "..."}`, plus, where
+/// they apply, the field at fault and the index of the report item at fault.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 #[cfg_attr(feature = "service", derive(utoipa::ToSchema))]
 pub struct ErrorBody {
     pub error: String,
     pub message: String,
+    /// The field an `invalid_field` error names, e.g. `items[2].window_start`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub field: Option<String>,
+    /// The index of the report item refused; nothing of the report was applied.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub item: Option<usize>,
 }

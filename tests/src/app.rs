@@ -22,7 +22,8 @@ pub struct TestAllocator {
 /// How to build an allocator for a test.
 #[derive(Default, Clone)]
 pub struct Options {
-    /// A clock other than the system's.
+    /// Stands the allocator at another instant: its own clock and its one
+    /// clock for windows (the database's, shifted by this clock's offset).
     pub clock: Option<Arc<dyn Clock>>,
     /// Agent token.
     pub agent_token: Option<String>,
@@ -50,6 +51,7 @@ impl TestAllocator {
             .expect("connect allocator");
         let mut state = AppState::new(db);
         if let Some(c) = opts.clock {
+            state.db_clock = allocator::time::DbClock::shifted(c.clone());
             state.clock = c;
         }
         let regions = opts

@@ -243,6 +243,31 @@ impl TestDb {
         wait_ready(&url, self.server.as_mut()).await.expect("postgres ready after restart");
     }
 
+    /// Sends `sig` to the local server's postmaster and every process it
+    /// forked (backends, background workers): SIGSTOP pauses PostgreSQL with
+    /// its connections open, SIGCONT resumes it. (The postmaster leaves the
+    /// process group the harness gave it, so the group cannot be used.)
+    pub fn signal_all(&self, sig: i32) {
+        let server = self.server.as_ref().expect("signal_all needs a local server");
+        let postmaster = server.child.as_ref().expect("server running").pid() as i32;
+        let mut pids = vec![postmaster];
+        for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+            let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else { continue };
+            let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else { continue };
+            // Fields after the command name (which may hold spaces): state, ppid, ...
+            let ppid = stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().nth(1));
+            if ppid.and_then(|p| p.parse::<i32>().ok()) == Some(postmaster) {
+                pids.push(pid);
+            }
+        }
+        for pid in pids {
+            // SAFETY: kill of a process this harness started or its child.
+            unsafe {
+                libc::kill(pid, sig);
+            }
+        }
+    }
+
     /// Stops the local server; it stays down until [`TestDb::restart`].
     pub fn stop(&mut self) {
         let server = self.server.as_mut().expect("stop needs a local server");

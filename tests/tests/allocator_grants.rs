@@ -89,14 +89,16 @@ async fn i1_four_allocators_500_concurrent_grants_never_oversubscribe_the_pool()
 async fn i2_lease_is_clamped_to_the_window_end() {
     let db = quota_tests::pg::TestDb::start().await;
     let clock = Arc::new(OffsetClock::default());
-    // 300 ms before a UTC minute ends.
-    clock.set_now(at("2026-12-02T10:00:59.700Z"));
+    clock.set_now(at("2026-12-02T10:00:30Z"));
     let alloc =
         TestAllocator::spawn_with(&db.url, Options { clock: Some(clock.clone()), ..Default::default() })
             .await;
     let http = Http::new(&alloc.base);
     put_policy(&http, "atlas", "read", json!({"limit": 1000, "window_secs": 60, "lease_ttl_secs": 30})).await;
     let epoch = register(&http, "eu", "eu-1").await;
+    // 300 ms before a UTC minute ends, set just before the grant: the
+    // start-up above can take longer than that on a loaded machine.
+    clock.set_now(at("2026-12-02T10:00:59.700Z"));
     let r = grant(&http, &grant_body("atlas", "read", "eu", "eu-1", epoch, 1, 50, 10.0)).await.expect(200);
     let expires_at = at(r.body["expires_at"].as_str().unwrap());
     let window_end = at(r.body["window_end"].as_str().unwrap());

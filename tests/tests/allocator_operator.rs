@@ -562,11 +562,11 @@ async fn retention_removes_old_ledger_events_and_leases_in_batches_and_windows_s
         (ledger, leases)
     };
     assert_eq!(counts(db.clone()).await, (6, 3), "policy, registration, 3 grants, 1 report; 3 leases");
-    assert!(allocator::retention::Retention::from_hours(0, 5000).is_none(), "0 disables retention");
-    let mut cfg = allocator::retention::Retention::from_hours(168, 2).unwrap();
+    assert!(allocator::retention::Retention::from_hours(0, 0, 5000).is_none(), "0 disables retention");
+    let mut cfg = allocator::retention::Retention::from_hours(168, 2160, 2).unwrap();
     cfg.pause = std::time::Duration::from_millis(1);
     cfg.every = std::time::Duration::from_millis(50);
-    let job = tokio::spawn(allocator::retention::run(db.clone(), alloc.state.clock.clone(), cfg));
+    let job = tokio::spawn(allocator::retention::run(db.clone(), alloc.state.db_clock.clone(), cfg));
     wait::until("retention to purge the old rows", std::time::Duration::from_secs(10), || {
         let db = db.clone();
         async move { (counts(db).await == (0, 0)).then_some(()) }

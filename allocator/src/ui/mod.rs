@@ -141,8 +141,8 @@ pub(crate) async fn quota(
     if !(1..=windows::MAX_WINDOWS).contains(&n) {
         return Err(Error::invalid("n", format!("must be between 1 and {}, got {n}", windows::MAX_WINDOWS)));
     }
-    let now = state.clock.now_utc();
     let mut conn = state.db.acquire().await?;
+    let now = state.db_clock.now(&mut conn).await?;
     let policy = policies::require(&mut conn, &tenant, &resource).await?;
     let current = Window::containing(now, policy.window_secs);
     let from = current.start_at() - Duration::seconds(policy.window_secs * (n - 1));

@@ -1,0 +1,55 @@
+//! The allocator's one clock for windows (I8, DESIGN §6): the database's.
+//!
+//! Every decision that depends on "now" (which window is current or next,
+//! whether `"next"` may be granted yet, `expires_at` and `expires_in_ms`,
+//! whether a release still returns tokens, whether a report item is in the
+//! future or beyond the horizon, which open pools a policy change touches,
+//! the retention cutoffs) reads `clock_timestamp()` of the database inside
+//! the transaction that makes it. Replicas of the allocator therefore agree
+//! on windows whatever their own clocks say; the cost is one statement per
+//! transaction (a local round trip to the database).
+//!
+//! Tests stand at a chosen instant with [`DbClock::shifted`]: the offset of
+//! the given clock from the system clock is added to the database's time,
+//! so time still flows. Production never shifts it.
+
+use crate::Result;
+use chrono::{DateTime, Utc};
+use quota_shared::clock::Clock;
+use sqlx::PgConnection;
+use std::sync::Arc;
+
+/// Reads "now" from the database.
+#[derive(Clone, Default)]
+pub struct DbClock {
+    shift: Option<Arc<dyn Clock>>,
+}
+
+impl DbClock {
+    /// The database's clock as it is (production).
+    pub fn database() -> Self {
+        DbClock { shift: None }
+    }
+
+    /// The database's clock shifted by `clock`'s offset from the system
+    /// clock (tests that stand at a chosen instant).
+    pub fn shifted(clock: Arc<dyn Clock>) -> Self {
+        DbClock { shift: Some(clock) }
+    }
+
+    /// The database's current time (plus the test shift), read on `conn`,
+    /// usually inside the transaction that decides with it.
+    pub async fn now(&self, conn: &mut PgConnection) -> Result<DateTime<Utc>> {
+        let db: DateTime<Utc> = sqlx::query_scalar(include_str!("sql/db_now.sql")).fetch_one(conn).await?;
+        Ok(match &self.shift {
+            Some(c) => db + (c.now_utc() - Utc::now()),
+            None => db,
+        })
+    }
+
+    /// [`DbClock::now`] on a connection of its own.
+    pub async fn now_on(&self, db: &sqlx::PgPool) -> Result<DateTime<Utc>> {
+        let mut conn = db.acquire().await?;
+        self.now(&mut conn).await
+    }
+}
