@@ -120,7 +120,8 @@ pub async fn failover(p: &Profile, bins: Bins, synchronous: bool) -> Result<Scen
     let repl_link = FaultProxy::start(vec![primary]).await.map_err(|e| e.to_string())?;
     // Dropped (stopped, removed) when this function returns, on every path.
     let standby = run.stack.db.start_standby(&repl_link.addr, synchronous).await?;
-    let mode = if synchronous { "a synchronous (synchronous_standby_names = '*')" } else { "an asynchronous" };
+    let mode =
+        if synchronous { "a synchronous (synchronous_standby_names = '*')" } else { "an asynchronous" };
     run.note(format!("{mode} streaming standby (pg_basebackup -R) follows the primary"));
     let policy = run.stack.admin.get(&format!("/v1/policies/{TENANT}/{RESOURCE}")).await;
     let chunk_max = policy.body["chunk_max"].as_i64().ok_or_else(|| format!("policy: {}", policy.body))?;
