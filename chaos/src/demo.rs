@@ -41,8 +41,12 @@ const CUT_REGION: &str = "us";
 pub async fn run(args: DemoArgs) -> Result<bool, String> {
     bins::check_servers()?;
     let bins = bins::ensure()?;
-    let spec =
-        StackSpec { regions: vec![("eu".into(), 2), ("us".into(), 1)], allocators: 1, agent_env: Vec::new() };
+    let spec = StackSpec {
+        regions: vec![("eu".into(), 2), ("us".into(), 1)],
+        allocators: 1,
+        agent_env: Vec::new(),
+        sentinel_regions: Vec::new(),
+    };
     let stack = Stack::start(bins, &spec, &|m| eprintln!("demo: {m}")).await?;
     let result = drive(&stack, &args).await;
     eprintln!("demo: stopping everything it started");

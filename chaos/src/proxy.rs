@@ -2,7 +2,9 @@
 //! allocator→PostgreSQL), switched at run time between pass, blackhole,
 //! refuse, added latency and dropped replies. With several upstreams it is
 //! also the load balancer in front of allocator replicas: connections go
-//! round-robin to the upstreams that accept them.
+//! round-robin to the upstreams that accept them. Its upstreams can be
+//! replaced at run time, as a load balancer's health check would after a
+//! database failover.
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -37,6 +39,8 @@ pub struct FaultProxy {
     state: watch::Sender<Fault>,
     /// Connections accepted, for reports.
     accepted: Arc<AtomicU64>,
+    /// Where new connections go; read once per accepted connection.
+    upstreams: Arc<Mutex<Vec<String>>>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -54,19 +58,34 @@ impl FaultProxy {
         let accepted = Arc::new(AtomicU64::new(0));
         let upstreams = Arc::new(Mutex::new(upstreams));
         let next = Arc::new(AtomicUsize::new(0));
-        let (st, acc) = (state.clone(), accepted.clone());
+        let (st, acc, ups_of_task) = (state.clone(), accepted.clone(), upstreams.clone());
         let task = tokio::spawn(async move {
             loop {
                 let Ok((inbound, _)) = listener.accept().await else { continue };
                 acc.fetch_add(1, Ordering::Relaxed);
                 let _ = inbound.set_nodelay(true);
                 let rx = st.subscribe();
-                let ups = upstreams.lock().map(|u| u.clone()).unwrap_or_default();
+                let ups = ups_of_task.lock().map(|u| u.clone()).unwrap_or_default();
                 let start = next.fetch_add(1, Ordering::Relaxed);
                 tokio::spawn(handle(inbound, rx, ups, start));
             }
         });
-        Ok(FaultProxy { addr, state, accepted, task })
+        Ok(FaultProxy { addr, state, accepted, upstreams, task })
+    }
+
+    /// Sends new connections to `upstreams` from now on and ends the open
+    /// ones, as a load balancer does when its health check moves the
+    /// primary: a client keeps no connection to the old upstream (a
+    /// PostgreSQL backend orphaned by a killed postmaster could otherwise
+    /// keep answering on it for a while).
+    pub fn set_upstreams(&self, upstreams: Vec<String>) {
+        if let Ok(mut u) = self.upstreams.lock() {
+            *u = upstreams;
+        }
+        // Re-sending the fault in force wakes every connection's watch,
+        // which ends it (see `handle`).
+        let fault = self.fault();
+        self.state.send_replace(fault);
     }
 
     /// Switches the link; open connections end so the new fault applies to

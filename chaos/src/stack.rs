@@ -7,6 +7,11 @@
 //!                    └─ redis link ─▶ Redis (one per region)
 //! ```
 //!
+//! A region named in [`StackSpec::sentinel_regions`] gets a Redis Sentinel
+//! group (primary, replica, Sentinel) of its own instead, and its agents find
+//! the primary through the Sentinel (no fault proxy on that link: the
+//! Sentinel hands out the servers' real addresses).
+//!
 //! Everything started here stops when the [`Stack`] is dropped: processes
 //! are killed, data directories removed.
 
@@ -17,6 +22,7 @@ use quota_tests::http::Http;
 use quota_tests::pg::TestDb;
 use quota_tests::procs::Child;
 use quota_tests::redis::TestRedis;
+use quota_tests::sentinel::{TestSentinel, MASTER_NAME};
 use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
@@ -30,12 +36,19 @@ pub struct StackSpec {
     pub allocators: usize,
     /// Extra environment for every agent (flags by their env names).
     pub agent_env: Vec<(String, String)>,
+    /// Regions whose agents reach Redis through a Sentinel group.
+    pub sentinel_regions: Vec<String>,
 }
 
 impl StackSpec {
     /// Regions `eu` and `us` with one agent each, one allocator.
     pub fn two_regions() -> StackSpec {
-        StackSpec { regions: vec![("eu".into(), 1), ("us".into(), 1)], allocators: 1, agent_env: Vec::new() }
+        StackSpec {
+            regions: vec![("eu".into(), 1), ("us".into(), 1)],
+            allocators: 1,
+            agent_env: Vec::new(),
+            sentinel_regions: Vec::new(),
+        }
     }
 }
 
@@ -106,6 +119,9 @@ pub struct Region {
     /// Agents → the allocator replicas.
     pub alloc_link: FaultProxy,
     pub agents: Vec<AgentProc>,
+    /// The region's Sentinel group when its agents use one (then `redis`
+    /// and `redis_link` carry none of their traffic).
+    pub sentinel: Option<TestSentinel>,
 }
 
 /// The running stack.
@@ -156,19 +172,32 @@ impl Stack {
             let redis_addr = redis.url.trim_start_matches("redis://").to_string();
             let redis_link = FaultProxy::start(vec![redis_addr]).await.map_err(|e| e.to_string())?;
             let alloc_link = FaultProxy::start(upstreams.clone()).await.map_err(|e| e.to_string())?;
+            let sentinel = if spec.sentinel_regions.contains(name) {
+                progress(&format!("starting a Redis Sentinel group for region {name}"));
+                // Started on this thread like `TestRedis::start`, not in
+                // `spawn_blocking`: the servers die with the thread that
+                // forked them (PR_SET_PDEATHSIG), and a blocking-pool thread
+                // exits after a few idle seconds. It blocks the runtime for
+                // the group's first sync (a few seconds) before any traffic.
+                Some(TestSentinel::start())
+            } else {
+                None
+            };
             let mut agents = Vec::new();
             for r in 0..*replicas {
-                let mut opts = AgentOpts::new(
-                    name,
-                    &format!("{name}-{}", r + 1),
-                    &alloc_link.http_url(),
-                    &format!("redis://{}", redis_link.addr),
-                );
+                let redis_url =
+                    if sentinel.is_some() { String::new() } else { format!("redis://{}", redis_link.addr) };
+                let mut opts =
+                    AgentOpts::new(name, &format!("{name}-{}", r + 1), &alloc_link.http_url(), &redis_url);
+                if let Some(g) = &sentinel {
+                    opts.env.push(("AGENT_REDIS_SENTINEL".into(), g.sentinel_addr.clone()));
+                    opts.env.push(("AGENT_REDIS_MASTER".into(), MASTER_NAME.into()));
+                }
                 opts.env.push(("AGENT_REDIS_PREFIX".into(), redis.prefix.clone()));
                 opts.env.extend(spec.agent_env.iter().cloned());
                 agents.push(AgentProc::spawn(&bins.agent, opts).await);
             }
-            regions.push(Region { name: name.clone(), redis, redis_link, alloc_link, agents });
+            regions.push(Region { name: name.clone(), redis, redis_link, alloc_link, agents, sentinel });
         }
         Ok(Stack { bins, db, pg_link, allocators, api_link, admin, regions, dir })
     }
@@ -242,6 +271,9 @@ impl Stack {
         for r in &self.regions {
             for a in &r.agents {
                 let _ = std::fs::write(dir.join(format!("agent-{}.log", a.opts.agent)), a.log());
+            }
+            if let Some(g) = &r.sentinel {
+                let _ = std::fs::write(dir.join(format!("sentinel-{}.log", r.name)), g.logs());
             }
         }
         Ok(())

@@ -56,6 +56,21 @@ impl Counts {
 /// Counts by window start (Unix seconds), then by region.
 pub type Tally = BTreeMap<i64, BTreeMap<String, Counts>>;
 
+/// One answer as a client saw it, for scenarios that measure when service
+/// came back (the tally keeps counts only).
+#[derive(Debug, Clone)]
+pub struct Answer {
+    pub region: String,
+    /// When the request was sent and when its answer (or failure) came,
+    /// Unix ms of this host's clock.
+    pub sent_ms: i64,
+    pub done_ms: i64,
+    /// HTTP status; 0 when no answer came.
+    pub status: u16,
+    /// The `error` code of a refusal (`store_unavailable`, ...), empty otherwise.
+    pub error: String,
+}
+
 /// Offered load of one region: requests per second spread over its agents.
 #[derive(Debug, Clone)]
 pub struct RegionLoad {
@@ -67,6 +82,7 @@ pub struct RegionLoad {
 /// Running traffic; stops when dropped or by [`Traffic::stop`].
 pub struct Traffic {
     tally: Arc<Mutex<Tally>>,
+    answers: Arc<Mutex<Vec<Answer>>>,
     rates: BTreeMap<String, Arc<AtomicU64>>,
     stop: watch::Sender<bool>,
     tasks: JoinSet<()>,
@@ -82,6 +98,7 @@ impl Traffic {
     /// Starts clients for every region in `loads` on quota `tenant/resource`.
     pub fn start(tenant: &str, resource: &str, loads: &[RegionLoad]) -> Traffic {
         let tally = Arc::new(Mutex::new(Tally::new()));
+        let answers = Arc::new(Mutex::new(Vec::new()));
         let (stop, _) = watch::channel(false);
         let mut tasks = JoinSet::new();
         let mut rates = BTreeMap::new();
@@ -101,12 +118,20 @@ impl Traffic {
                     body: serde_json::json!({"tenant": tenant, "resource": resource}),
                     rate: rate.clone(),
                     tally: tally.clone(),
+                    answers: answers.clone(),
                     offset: c,
                 };
                 tasks.spawn(ctx.run(stop.subscribe()));
             }
         }
-        Traffic { tally, rates, stop, tasks }
+        Traffic { tally, answers, rates, stop, tasks }
+    }
+
+    /// Every answer of `region`'s clients sent at or after `since_ms`
+    /// (Unix ms), in the order they came.
+    pub fn answers(&self, region: &str, since_ms: i64) -> Vec<Answer> {
+        let Ok(a) = self.answers.lock() else { return Vec::new() };
+        a.iter().filter(|x| x.region == region && x.sent_ms >= since_ms).cloned().collect()
     }
 
     /// Changes a region's offered rate.
@@ -136,6 +161,7 @@ struct ClientCtx {
     body: serde_json::Value,
     rate: Arc<AtomicU64>,
     tally: Arc<Mutex<Tally>>,
+    answers: Arc<Mutex<Vec<Answer>>>,
     offset: usize,
 }
 
@@ -187,27 +213,35 @@ impl ClientCtx {
             n += 1;
             let url = &self.urls[n % self.urls.len()];
             let sent_ms = chrono::Utc::now().timestamp_millis();
-            let seen = self.acquire(url).await;
+            let (seen, status, error) = self.acquire(url).await;
+            if let Ok(mut a) = self.answers.lock() {
+                let done_ms = chrono::Utc::now().timestamp_millis();
+                a.push(Answer { region: self.region.clone(), sent_ms, done_ms, status, error });
+            }
             self.record(seen, sent_ms);
         }
     }
 
-    async fn acquire(&self, url: &str) -> Seen {
+    /// What the answer means for the tally, its status and error code.
+    async fn acquire(&self, url: &str) -> (Seen, u16, String) {
         let resp = match self.client.post(url).json(&self.body).send().await {
             Ok(r) => r,
-            Err(e) if e.is_connect() => return Seen::Refused,
-            Err(_) => return Seen::Ambiguous,
+            Err(e) if e.is_connect() => return (Seen::Refused, 0, String::new()),
+            Err(_) => return (Seen::Ambiguous, 0, String::new()),
         };
         let status = resp.status().as_u16();
-        let Ok(body) = resp.json::<serde_json::Value>().await else { return Seen::Ambiguous };
-        match status {
+        let Ok(body) = resp.json::<serde_json::Value>().await else {
+            return (Seen::Ambiguous, status, String::new());
+        };
+        let error = body["error"].as_str().unwrap_or_default().to_string();
+        let seen = match status {
             200 => {
                 let Some(ws) = body["window_start"]
                     .as_str()
                     .and_then(|s| chrono::DateTime::parse_from_rfc3339(s).ok())
                     .map(|t| t.timestamp())
                 else {
-                    return Seen::Ambiguous;
+                    return (Seen::Ambiguous, status, error);
                 };
                 if body["source"] == "fallback" {
                     Seen::Fallback(ws)
@@ -218,7 +252,8 @@ impl ClientCtx {
             429 => Seen::Denied,
             503 => Seen::Unavailable,
             _ => Seen::Ambiguous,
-        }
+        };
+        (seen, status, error)
     }
 
     fn record(&self, seen: Seen, sent_ms: i64) {

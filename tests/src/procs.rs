@@ -66,6 +66,16 @@ impl Child {
         }
     }
 
+    /// Sends `sig` to the process's whole group (it leads one of its own,
+    /// see [`Child::spawn`]): the children a server forked die with it, as
+    /// on a host that crashed.
+    pub fn signal_group(&self, sig: i32) {
+        // SAFETY: kill of a process group we created.
+        unsafe {
+            libc::kill(-(self.inner.id() as i32), sig);
+        }
+    }
+
     /// Whether the process has exited, with its status.
     pub fn try_wait(&mut self) -> Option<std::process::ExitStatus> {
         self.inner.try_wait().ok().flatten()

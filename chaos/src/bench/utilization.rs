@@ -43,6 +43,7 @@ pub async fn run(
         regions: REGIONS.iter().map(|r| (r.to_string(), 1)).collect(),
         allocators: 1,
         agent_env: vec![("RUST_LOG".into(), "warn".into())],
+        sentinel_regions: Vec::new(),
     };
     let stack = Stack::start(bins, &spec, &|s| progress(&format!("utilization: {s}"))).await?;
     let result = scenarios(&stack, plan, out, progress).await;

@@ -73,8 +73,12 @@ pub async fn lost_replies(p: &Profile, bins: Bins) -> Result<ScenarioReport, Str
 
 /// 4: one of two allocator replicas is SIGKILLed and restarted.
 pub async fn allocator_kill(p: &Profile, bins: Bins) -> Result<ScenarioReport, String> {
-    let spec =
-        StackSpec { regions: vec![("eu".into(), 2), ("us".into(), 1)], allocators: 2, agent_env: Vec::new() };
+    let spec = StackSpec {
+        regions: vec![("eu".into(), 2), ("us".into(), 1)],
+        allocators: 2,
+        agent_env: Vec::new(),
+        sentinel_regions: Vec::new(),
+    };
     let mut run = Run::start("allocator-kill", p, bins, Some(spec), false).await?;
     run.traffic(&[("eu", EU), ("us", US)]);
     run.pass(1.5).await;

@@ -7,6 +7,7 @@ use crate::bins::Bins;
 use crate::report::{self, ScenarioReport};
 use crate::stack::{Stack, StackSpec};
 use crate::traffic::{RegionLoad, Tally, Traffic};
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 /// Window length, pool size and phase length of a run.
@@ -60,6 +61,13 @@ pub struct Run {
     /// count up to this many admits fewer than the clients: their records
     /// were in a Redis that lost its data before the outbox sent them.
     pub lost_allowance: Option<(String, String, i64)>,
+    /// The same per window (start, RFC 3339), where the loss is known
+    /// exactly (reports a PostgreSQL failover lost).
+    pub lost_by_window: BTreeMap<String, i64>,
+    /// Tokens the bound of a window grows by beyond the policy's (start,
+    /// RFC 3339): `lost grants × chunk_max` of an asynchronous PostgreSQL
+    /// failover (DESIGN I6).
+    pub bound_extra: BTreeMap<String, i64>,
     started: Instant,
 }
 
@@ -77,6 +85,7 @@ impl Run {
             regions: vec![("eu".into(), 2), ("us".into(), 1)],
             allocators: 1,
             agent_env: Vec::new(),
+            sentinel_regions: Vec::new(),
         });
         let stack = Stack::start(bins, &spec, &|m| eprintln!("chaos:   {m}")).await?;
         let policy = serde_json::json!({
@@ -102,6 +111,8 @@ impl Run {
             db,
             started_at: chrono::Utc::now(),
             lost_allowance: None,
+            lost_by_window: BTreeMap::new(),
+            bound_extra: BTreeMap::new(),
             started: Instant::now(),
         })
     }
@@ -130,6 +141,28 @@ impl Run {
     /// Lets `n` windows of traffic pass.
     pub async fn pass(&self, n: f64) {
         tokio::time::sleep(self.p.windows(n)).await;
+    }
+
+    /// Answers of `region`'s clients sent at or after `since_ms` (Unix ms).
+    pub fn answers(&self, region: &str, since_ms: i64) -> Vec<crate::traffic::Answer> {
+        self.traffic.as_ref().map(|t| t.answers(region, since_ms)).unwrap_or_default()
+    }
+
+    /// The row key (start, RFC 3339) of the window holding Unix second `t`.
+    pub fn window_key(&self, t: i64) -> String {
+        let ws = t.div_euclid(self.p.window_secs) * self.p.window_secs;
+        chrono::DateTime::from_timestamp(ws, 0)
+            .unwrap_or_default()
+            .to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
+    }
+
+    /// Waits until `phase` (0..1) of a window has passed, so a fault lands
+    /// at a known point of the window (e.g. before the pool runs dry).
+    pub async fn at_phase(&self, phase: f64) {
+        let w = self.p.window_secs * 1000;
+        let into = chrono::Utc::now().timestamp_millis().rem_euclid(w);
+        let wait = ((phase * w as f64) as i64 - into).rem_euclid(w);
+        tokio::time::sleep(Duration::from_millis(wait as u64)).await;
     }
 
     /// The clients' counts so far.
@@ -224,11 +257,19 @@ impl Run {
         let rows = report::rows(&tally, &acc, secs);
         let bound = self.bound();
         let lost = self.lost_allowance.clone();
-        let lost_of = |r: &report::WindowRow| match &lost {
-            Some((from, to, n)) if from.as_str() <= r.window_start.as_str() && r.window_start <= *to => *n,
-            _ => 0,
+        let lost_exact = std::mem::take(&mut self.lost_by_window);
+        let lost_of = |r: &report::WindowRow| {
+            let ranged = match &lost {
+                Some((from, to, n)) if from.as_str() <= r.window_start.as_str() && r.window_start <= *to => {
+                    *n
+                }
+                _ => 0,
+            };
+            ranged + lost_exact.get(&r.window_start).copied().unwrap_or(0)
         };
-        self.failed.extend(report::check_windows(&rows, |_| bound, lost_of));
+        let extra_bound = std::mem::take(&mut self.bound_extra);
+        let bound_of = |r: &report::WindowRow| bound + extra_bound.get(&r.window_start).copied().unwrap_or(0);
+        self.failed.extend(report::check_windows(&rows, bound_of, lost_of));
         for r in &rows {
             if r.ledger_admitted < r.admitted as i64 {
                 self.notes.push(format!(

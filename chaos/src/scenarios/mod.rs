@@ -18,6 +18,7 @@ mod faults;
 mod harness;
 mod netns;
 mod outcomes;
+mod postgres;
 mod redis;
 
 use crate::bins;
@@ -52,7 +53,14 @@ pub const SCENARIOS: &[(&str, &str)] = &[
     ("agent-restart", "an agent SIGKILLed and restarted: new epoch, old epoch refused"),
     ("redis-restart-empty", "a region's Redis restarted empty mid-window"),
     ("redis-rollback", "a region's Redis restarted from an older snapshot, demand above G, strict"),
+    ("redis-failover", "eu's Redis primary killed, Sentinel promotes a replica that missed writes, strict"),
+    ("redis-eviction", "eu's Redis switched to maxmemory-policy allkeys-lru for 1.5 windows and back"),
     ("postgres-restart", "PostgreSQL killed and restarted: agents serve from leases"),
+    ("postgres-failover", "PostgreSQL primary killed, its synchronous standby promoted: no grant lost"),
+    (
+        "postgres-failover-async",
+        "the same with an asynchronous standby that missed commits: lost grants counted",
+    ),
     ("clock-skew", "agents with wall clocks 30 s ahead and behind"),
     ("demand-skew", "DESIGN §4 skew and contention outcomes, rollover without a gap"),
     ("zombie", "an old agent incarnation keeps sending after its re-registration"),
@@ -70,7 +78,11 @@ async fn run_one(name: &str, p: &Profile, bins: &bins::Bins) -> Result<ScenarioR
         "agent-restart" => faults::agent_restart(p, b).await,
         "redis-restart-empty" => faults::redis_restart(p, b).await,
         "redis-rollback" => redis::redis_rollback(p, b).await,
+        "redis-failover" => redis::redis_failover(p, b).await,
+        "redis-eviction" => redis::redis_eviction(p, b).await,
         "postgres-restart" => faults::postgres_restart(p, b).await,
+        "postgres-failover" => postgres::failover(p, b, true).await,
+        "postgres-failover-async" => postgres::failover(p, b, false).await,
         "clock-skew" => faults::clock_skew(p, b).await,
         "demand-skew" => outcomes::demand_skew(p, b).await,
         "zombie" => faults::zombie(p, b).await,

@@ -104,8 +104,12 @@ pub async fn partition(p: &Profile, bins: Bins) -> Result<ScenarioReport, String
         });
     }
     let net = Net::create()?;
-    let spec =
-        StackSpec { regions: vec![("eu".into(), 1), ("us".into(), 0)], allocators: 1, agent_env: Vec::new() };
+    let spec = StackSpec {
+        regions: vec![("eu".into(), 1), ("us".into(), 0)],
+        allocators: 1,
+        agent_env: Vec::new(),
+        sentinel_regions: Vec::new(),
+    };
     let agent_bin = bins.agent.clone();
     let mut run = Run::start("netns-partition", p, bins, Some(spec), false).await?;
     let upstreams: Vec<String> = run.stack.allocators.iter().map(|a| a.addr.clone()).collect();
