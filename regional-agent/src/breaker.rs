@@ -3,10 +3,13 @@
 //!
 //! The breaker opens after [`TRIP_AFTER`] consecutive failures (timeouts,
 //! refused connections, 5xx) and stays open for a backoff that grows with
-//! each trip; while open no call leaves the agent, so a down allocator costs
-//! the request path nothing. When the open period ends calls go through
-//! again (half-open); one more failure re-opens it for longer, one success
-//! closes it.
+//! each trip, capped at [`OPEN_CAP`]; while open no call leaves the agent, so
+//! a down allocator costs the request path nothing. When the open period
+//! ends one call goes through (half-open: a single probe, so thousands of
+//! quotas do not stampede an allocator that is just coming back); its
+//! failure re-opens the breaker for longer, its success closes it. The cap
+//! is short because it bounds how long a region keeps refusing after the
+//! allocator is back (heal within a second).
 
 use rand::Rng;
 use std::sync::Mutex;
@@ -28,6 +31,9 @@ struct State {
     failures: u32,
     trips: u32,
     open_until: Option<Instant>,
+    /// A half-open probe is out until this instant (a probe whose caller
+    /// was cancelled never reports, so the slot frees itself).
+    probe_until: Option<Instant>,
 }
 
 /// The breaker. A std `Mutex`: every operation is a few field updates and
@@ -38,15 +44,35 @@ pub struct Breaker {
 }
 
 /// Backoff of the first trip.
-const OPEN_BASE: Duration = Duration::from_millis(200);
-/// Longest the breaker stays open.
-const OPEN_CAP: Duration = Duration::from_secs(5);
+const OPEN_BASE: Duration = Duration::from_millis(100);
+/// Longest the breaker stays open between probes.
+pub const OPEN_CAP: Duration = Duration::from_millis(500);
+/// Longest a half-open probe holds the probe slot.
+const PROBE_GRACE: Duration = Duration::from_secs(2);
 
 impl Breaker {
-    /// Whether a call may be made now.
+    /// Whether a call may be made now; while half-open, `true` for one
+    /// caller (the probe) only.
     pub fn allow(&self) -> bool {
+        let mut s = self.state.lock().unwrap();
+        let now = Instant::now();
+        match s.open_until {
+            None => true,
+            Some(t) if now < t => false,
+            Some(_) => {
+                if s.probe_until.is_some_and(|p| now < p) {
+                    return false;
+                }
+                s.probe_until = Some(now + PROBE_GRACE);
+                true
+            }
+        }
+    }
+
+    /// Whether a call could be made now, without taking the probe slot.
+    pub fn is_open(&self) -> bool {
         let s = self.state.lock().unwrap();
-        s.open_until.is_none_or(|t| Instant::now() >= t)
+        s.open_until.is_some_and(|t| Instant::now() < t)
     }
 
     /// The last call succeeded (or was answered with a 4xx: the allocator is up).
@@ -59,6 +85,7 @@ impl Breaker {
     pub fn failure(&self) {
         let mut s = self.state.lock().unwrap();
         s.failures = s.failures.saturating_add(1);
+        s.probe_until = None;
         if s.failures >= TRIP_AFTER {
             s.open_until = Some(Instant::now() + backoff(s.trips, OPEN_BASE, OPEN_CAP));
             s.trips = s.trips.saturating_add(1);
@@ -68,11 +95,6 @@ impl Breaker {
     /// Whether the allocator counts as reachable: the last call did not fail.
     pub fn reachable(&self) -> bool {
         self.state.lock().unwrap().failures == 0
-    }
-
-    /// Whether the breaker is open right now.
-    pub fn is_open(&self) -> bool {
-        !self.allow()
     }
 }
 
@@ -102,5 +124,34 @@ mod tests {
         assert!(!b.allow(), "open after {TRIP_AFTER}");
         b.success();
         assert!(b.allow() && b.reachable());
+    }
+
+    #[test]
+    fn half_open_lets_one_probe_through_and_the_open_period_is_capped() {
+        let b = Breaker::default();
+        for _ in 0..40 {
+            b.failure();
+        }
+        assert!(b.is_open() && !b.allow());
+        // However many trips, the breaker is open at most OPEN_CAP.
+        let until = b.state.lock().unwrap().open_until.unwrap();
+        assert!(until <= Instant::now() + OPEN_CAP);
+        b.state.lock().unwrap().open_until = Some(Instant::now());
+        assert!(b.allow(), "the probe");
+        assert!(!b.allow(), "a second caller while the probe is out");
+        assert!(!b.reachable());
+        b.success();
+        assert!(b.allow() && b.allow() && b.reachable(), "closed on the probe's success");
+    }
+
+    #[test]
+    fn a_failed_probe_reopens() {
+        let b = Breaker::default();
+        b.failure();
+        b.failure();
+        b.state.lock().unwrap().open_until = Some(Instant::now());
+        assert!(b.allow());
+        b.failure();
+        assert!(b.is_open() && !b.allow());
     }
 }

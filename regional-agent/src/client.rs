@@ -31,7 +31,13 @@ pub enum CallError {
     Unreachable(String),
     /// The allocator answered and refused.
     #[error("allocator refused ({status} {code}): {message}")]
-    Refused { status: u16, code: String, message: String },
+    Refused {
+        status: u16,
+        code: String,
+        message: String,
+        /// The report item the refusal names (`invalid_field` on a report).
+        item: Option<usize>,
+    },
 }
 
 impl CallError {
@@ -209,14 +215,18 @@ impl AllocatorClient {
         self.answered();
         if !status.is_success() {
             let body: Option<ErrorBody> = serde_json::from_slice(&bytes).ok();
-            let (code, message) =
-                body.map(|b| (b.error, b.message)).unwrap_or_else(|| ("unknown".into(), String::new()));
-            return Err(CallError::Refused { status: status.as_u16(), code, message });
+            // A body that is not the allocator's error JSON (a proxy's page)
+            // is code "unknown": the outbox retries those.
+            let (code, message, item) = body
+                .map(|b| (b.error, b.message, b.item))
+                .unwrap_or_else(|| ("unknown".into(), String::new(), None));
+            return Err(CallError::Refused { status: status.as_u16(), code, message, item });
         }
         serde_json::from_slice(&bytes).map_err(|e| CallError::Refused {
             status: status.as_u16(),
             code: "bad_answer".into(),
             message: e.to_string(),
+            item: None,
         })
     }
 

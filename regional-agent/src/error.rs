@@ -1,6 +1,7 @@
 //! The agent's one error enum and its mapping to status, JSON code and
 //! headers (DESIGN §5): 400 malformed JSON, 413 body too large, 422 invalid
-//! value naming the field, 404 unknown quota, 429 quota exhausted, 503
+//! value naming the field, 404 unknown quota, 409 request id mismatch, 429
+//! quota exhausted, 503
 //! allocator unreachable or store unavailable. 429 and 503 carry a
 //! `Retry-After` in whole seconds, at least 1, jittered.
 
@@ -28,6 +29,9 @@ pub enum Error {
     /// The allocator has no policy for the quota.
     #[error("no policy for quota {0}")]
     UnknownQuota(String),
+    /// The request id was first used with another resource or cost.
+    #[error("{0}")]
+    RequestIdMismatch(String),
     /// The quota's pool is exhausted for the window.
     #[error("quota exhausted for this window")]
     Exhausted { retry_after_ms: i64 },
@@ -64,6 +68,7 @@ impl Error {
             Error::InvalidField { .. } => StatusCode::UNPROCESSABLE_ENTITY,
             Error::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Error::UnknownQuota(_) | Error::NoRoute(_) => StatusCode::NOT_FOUND,
+            Error::RequestIdMismatch(_) => StatusCode::CONFLICT,
             Error::Exhausted { .. } => StatusCode::TOO_MANY_REQUESTS,
             Error::AllocatorUnreachable
             | Error::StoreUnavailable
@@ -79,6 +84,7 @@ impl Error {
             Error::InvalidField { .. } => "invalid_field",
             Error::PayloadTooLarge => "payload_too_large",
             Error::UnknownQuota(_) => "unknown_quota",
+            Error::RequestIdMismatch(_) => "request_id_mismatch",
             Error::Exhausted { .. } => "quota_exhausted",
             Error::AllocatorUnreachable => "allocator_unreachable",
             Error::StoreUnavailable | Error::StoreNotSafe(_) => "store_unavailable",

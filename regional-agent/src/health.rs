@@ -90,7 +90,16 @@ pub fn describe(m: &Registry) {
         "Quota states found rolled back (Redis restarted, restored from a snapshot, failed over or evicted) and stranded",
     );
     m.describe("agent_outbox_sent_total", "counter", "Outbox entries the allocator accepted");
-    m.describe("agent_outbox_dropped_total", "counter", "Outbox entries the allocator refused for good");
+    m.describe(
+        "agent_outbox_dead_letters_total",
+        "counter",
+        "Outbox entries (or report items) the allocator refused for a reason that can never change, moved to the region's dead letters",
+    );
+    m.describe(
+        "agent_outbox_dead_letters",
+        "gauge",
+        "Entries in the region's dead-letter list (at most 1000 kept)",
+    );
     m.describe("agent_epoch", "gauge", "The agent's current epoch");
 }
 
@@ -128,6 +137,9 @@ pub(crate) async fn metrics(State(app): State<AppState>) -> impl IntoResponse {
     app.metrics.set("agent_allocator_reachable", &[], if app.allocator_reachable() { 1.0 } else { 0.0 });
     app.metrics.set("agent_quotas", &[], app.quotas.len() as f64);
     app.metrics.set("agent_unknown_quota_names", &[], app.unknown.len() as f64);
+    if let Ok((n, _)) = crate::outbox::dead_letters(&app, 0).await {
+        app.metrics.set("agent_outbox_dead_letters", &[], n as f64);
+    }
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], app.metrics.render())
 }
 
@@ -135,7 +147,7 @@ pub(crate) async fn metrics(State(app): State<AppState>) -> impl IntoResponse {
 #[utoipa::path(
     get,
     path = "/v1/status",
-    responses((status = 200, description = "{region, agent, epoch, allocator_reachable, allocator_error (why the allocator counts as unreachable, e.g. a TLS failure; null while it answers), quotas: [{tenant, resource, lease_tokens, expires_in_ms, demand_per_sec, mode, ...}]}")),
+    responses((status = 200, description = "{region, agent, epoch, allocator_reachable, allocator_error (why the allocator counts as unreachable, e.g. a TLS failure; null while it answers), dead_letters (entries in the region's dead-letter list; null when Redis cannot be read), recent_dead_letters (the newest 10: tenant, resource, agent, entry, status, error, message, at), quotas: [{tenant, resource, lease_tokens, expires_in_ms, demand_per_sec, mode, ...}]}")),
     tag = "agent"
 )]
 pub(crate) async fn status(State(app): State<AppState>) -> impl IntoResponse {
@@ -171,8 +183,17 @@ pub(crate) async fn status(State(app): State<AppState>) -> impl IntoResponse {
             })
         })
         .collect();
+    let (dead, recent) = match crate::outbox::dead_letters(&app, 10).await {
+        Ok((n, recent)) => {
+            app.metrics.set("agent_outbox_dead_letters", &[], n as f64);
+            (Some(n), recent)
+        }
+        Err(_) => (None, Vec::new()),
+    };
     Json(json!({
         "region": app.settings.region,
+        "dead_letters": dead,
+        "recent_dead_letters": recent,
         "agent": app.settings.agent,
         "epoch": app.ident.epoch(),
         "allocator_reachable": reachable,

@@ -40,6 +40,38 @@ impl Keys {
         format!("{}r:{{{}}}:inc", self.ns, lp(region))
     }
 
+    /// A request id's claim, tenant-wide: which quota and cost the id was
+    /// first used with, so a repeat naming another quota or cost is refused
+    /// (`409 request_id_mismatch`) instead of answered with the first
+    /// decision.
+    pub fn request_id_claim(&self, tenant: &str, request_id: &str) -> String {
+        format!("{}t:{{{}}}:rid:{}", self.ns, lp(tenant), lp(request_id))
+    }
+
+    /// An agent's liveness key (expires when the agent stops refreshing it):
+    /// the region's other replicas adopt the outboxes of an agent whose
+    /// liveness key is gone.
+    pub fn agent_live(&self, region: &str, agent: &str) -> String {
+        format!("{}a:{{{}/{}}}:live", self.ns, lp(region), lp(agent))
+    }
+
+    /// The set of agent ids that ever ran in the region (and may still have
+    /// outbox entries); an id leaves it once its quota set expired.
+    pub fn region_agents(&self, region: &str) -> String {
+        format!("{}r:{{{}}}:agents", self.ns, lp(region))
+    }
+
+    /// The region's dead letters: outbox entries the allocator refused for
+    /// a reason that can never change, kept for operators (capped list).
+    pub fn region_dead_letters(&self, region: &str) -> String {
+        format!("{}r:{{{}}}:dead", self.ns, lp(region))
+    }
+
+    /// The outbox list of `agent` for the quota with prefix `quota_prefix`.
+    pub fn outbox(quota_prefix: &str, agent: &str) -> String {
+        format!("{quota_prefix}ob:{agent}")
+    }
+
     /// The suffix a request id takes after the quota prefix.
     pub fn request_id_suffix(request_id: &str) -> String {
         lp(request_id)
@@ -60,5 +92,11 @@ mod tests {
         assert_eq!(ns.quota("a", "b"), "t1:q:{1:a/1:b}:");
         assert_eq!(ns.agent_quotas("eu", "eu-1"), "t1:a:{2:eu/4:eu-1}:quotas");
         assert_eq!(Keys::request_id_suffix("r-1"), "3:r-1");
+        assert_eq!(ns.request_id_claim("a", "r-1"), "t1:t:{1:a}:rid:3:r-1");
+        assert_ne!(k.request_id_claim("a:1", "r"), k.request_id_claim("a", "1:r"));
+        assert_eq!(ns.agent_live("eu", "eu-1"), "t1:a:{2:eu/4:eu-1}:live");
+        assert_eq!(ns.region_agents("eu"), "t1:r:{2:eu}:agents");
+        assert_eq!(ns.region_dead_letters("eu"), "t1:r:{2:eu}:dead");
+        assert_eq!(Keys::outbox("q:{1:a/1:b}:", "eu-1"), "q:{1:a/1:b}:ob:eu-1");
     }
 }

@@ -23,7 +23,8 @@
 //! * [`spend`]: `POST /v1/acquire` (I5, I2, fallback, I6).
 //! * [`batch`]: concurrent decisions on one quota share one script run.
 //! * [`renew`]: the background renewer (DESIGN §4), crediting (I5, I4).
-//! * [`outbox`]: cutting and draining reports and releases (I7).
+//! * [`outbox`]: cutting and draining reports and releases (I7), adopting
+//!   the outboxes of gone agents, refusals classified, dead letters.
 //! * [`fallback`]: the opt-in local allowance while Redis is unreachable.
 //! * [`health`]: `/v1/status`, `/healthz`, `/readyz`, `/metrics`.
 //! * [`error`]: the one error enum and its mapping to HTTP.
@@ -47,11 +48,21 @@
 //!   beyond that a new name answers `503 too_many_quotas` for that moment.
 //! * **After the fallback allowance is spent** during a partition the agent
 //!   answers `503 allocator_unreachable` (it cannot decide), not 429.
-//! * **Request ids** are remembered for one window length from the first
-//!   admit; only admits are remembered, so a retried refusal is decided anew.
+//! * **Request ids** are tied to their request, tenant-wide: a repeat
+//!   with the same resource and cost is answered with the first decision,
+//!   one naming another resource or cost is `409 request_id_mismatch`. Both
+//!   the claim and the decision are remembered until the end of the window
+//!   the request was decided in plus 10 s; only admits are remembered, so a
+//!   retried refusal is decided anew (and may change its cost).
 //! * **Reachability**: the allocator counts as unreachable from the first
 //!   failed call (timeout, refused connection, 5xx) until a call succeeds;
-//!   the breaker opens after two consecutive failures.
+//!   the breaker opens after two consecutive failures, for at most 500 ms
+//!   between single probes, and a renewer's backoff taken while the
+//!   allocator was unreachable ends when any call succeeds, so a region heals
+//!   within a second. A request that finds no token waits for the renewer
+//!   within one budget (`--acquire-wait-ms` + `--allocator-timeout-ms` +
+//!   100 ms); it is answered 429 only when the allocator said the pool is
+//!   empty, and 503 when no lease came within the budget.
 //! * **Redis data loss** is detected per quota, inside every script, by
 //!   the quota's incarnation key. An agent that starts while the region's
 //!   incarnation key is missing cannot tell a new region from one that lost
@@ -84,9 +95,15 @@
 //!   a week), refreshed while an agent holds the quota; an agent's quota
 //!   set expires a week after the agent was last seen. Only the region's
 //!   incarnation key and outbox lists with undelivered entries have none.
-//! * **Outbox entries** belong to the agent that cut them (the allocator
-//!   fences releases and reports by agent); an agent id that never comes back
-//!   leaves its entries unreported. Agent ids must be unique per process.
+//! * **Outbox entries** belong to the region: an agent whose liveness key
+//!   expired (10 s after its last round) is adopted by a live replica,
+//!   which sends its reports under its own identity and its releases under
+//!   the gone agent's (registering for it). Only refusals that can never
+//!   change take an entry out unapplied; those go to the region's
+//!   dead-letter list (`/v1/status` `dead_letters`, at most 1,000 kept).
+//! * **Shutdown** is bounded: after SIGTERM in-flight requests get 2 s,
+//!   background tasks 1 s and the final outbox drain 3 s; a second signal
+//!   exits at once.
 //! * **Time**: a lease is spendable from `nb` (its window start, measured
 //!   from the instant the answer arrived) until its deadline (measured from
 //!   the instant the request was sent); both are relative Redis TTLs, so no
@@ -138,7 +155,7 @@ use axum::extract::{DefaultBodyLimit, Request};
 use axum::Router;
 use quota_shared::clock::{Clock, OffsetClock, SystemClock};
 use quota_shared::prom::Registry;
-use std::future::Future;
+use std::future::{Future, IntoFuture};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -171,6 +188,8 @@ pub struct App {
     alloc_time: Mutex<Option<(chrono::DateTime<chrono::Utc>, std::time::Instant)>>,
     /// Whether the region's Redis may be trusted to keep keys (eviction policy).
     pub guard: guard::Guard,
+    /// Identities adopted for gone agents' outboxes, and the retry state.
+    pub outboxes: outbox::Outboxes,
     /// Stops the background tasks.
     pub cancel: CancellationToken,
     tasks: Mutex<Vec<JoinHandle<()>>>,
@@ -219,6 +238,7 @@ impl App {
             unknown: quotas::Unknown::default(),
             alloc_time: Mutex::new(None),
             guard: guard::Guard::default(),
+            outboxes: outbox::Outboxes::default(),
             cancel: CancellationToken::new(),
             tasks: Mutex::new(Vec::new()),
         }))
@@ -302,7 +322,14 @@ async fn boot(app: &AppState) {
                     .unwrap_or_default();
                 for m in members {
                     if let Some((t, r)) = m.split_once('/') {
-                        let _ = app.quota(t, r);
+                        // No request has used it in this process yet: idle
+                        // (looked at once a second), or thousands of reloaded
+                        // quotas would each run a view every 50 ms.
+                        if let Some(q) = app.quota(t, r) {
+                            if let Some(t) = std::time::Instant::now().checked_sub(renew::IDLE_AFTER * 2) {
+                                *q.last_used.lock().unwrap() = t;
+                            }
+                        }
                     }
                 }
                 return;
@@ -321,9 +348,21 @@ async fn boot(app: &AppState) {
     app.region_fresh.store(true, Ordering::SeqCst);
 }
 
+/// How long in-flight requests may run after a shutdown signal.
+pub const SHUTDOWN_REQUESTS: Duration = Duration::from_secs(2);
+/// How long background tasks may take to stop.
+pub const SHUTDOWN_TASKS: Duration = Duration::from_secs(1);
+/// How long the final outbox drain may take.
+pub const SHUTDOWN_DRAIN: Duration = Duration::from_secs(3);
+
 /// Serves the agent on `listener` until `shutdown` resolves; then stops
 /// accepting, finishes in-flight requests, stops the background tasks and
-/// drains the outbox (bounded by a deadline).
+/// drains the outbox, each step with its own deadline, so the whole stop
+/// takes at most [`SHUTDOWN_REQUESTS`] + [`SHUTDOWN_TASKS`] +
+/// [`SHUTDOWN_DRAIN`] (6 s) whatever state Redis and the allocator are in
+/// and however many quotas are known. What the drain could not send stays
+/// in Redis: the agent's next start, or the region's other replicas once
+/// its liveness key expires, send it.
 pub async fn run(
     listener: TcpListener,
     app: AppState,
@@ -333,18 +372,61 @@ pub async fn run(
     // Read the eviction policy before serving, so a correctly configured
     // Redis admits from the first request (see `guard`).
     guard::check(&app).await;
+    outbox::heartbeat(&app).await;
     app.spawn(guard::run(app.clone()));
     app.spawn(epoch::run(app.clone()));
     app.spawn(outbox::run(app.clone()));
-    let served = axum::serve(listener, router(app.clone())).with_graceful_shutdown(shutdown).await;
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let mut server = tokio::spawn(
+        axum::serve(listener, router(app.clone()))
+            .with_graceful_shutdown(async move {
+                let _ = stop_rx.await;
+            })
+            .into_future(),
+    );
+    let served = tokio::select! {
+        r = &mut server => r,
+        _ = shutdown => {
+            let _ = stop_tx.send(());
+            match tokio::time::timeout(SHUTDOWN_REQUESTS, &mut server).await {
+                Ok(r) => r,
+                Err(_) => {
+                    tracing::warn!(deadline_ms = SHUTDOWN_REQUESTS.as_millis() as u64,
+                        "in-flight requests cut at the shutdown deadline");
+                    server.abort();
+                    Ok(Ok(()))
+                }
+            }
+        }
+    };
     app.cancel.cancel();
     let tasks: Vec<_> = std::mem::take(&mut *app.tasks.lock().unwrap());
+    let aborts: Vec<_> = tasks.iter().map(|t| t.abort_handle()).collect();
+    if tokio::time::timeout(SHUTDOWN_TASKS, futures_join_all(tasks)).await.is_err() {
+        tracing::warn!("background tasks cut at the shutdown deadline");
+        for a in aborts {
+            a.abort();
+        }
+    }
+    let left =
+        tokio::time::timeout(SHUTDOWN_DRAIN, outbox::final_drain(&app, SHUTDOWN_DRAIN)).await.unwrap_or(-1);
+    if left == 0 {
+        tracing::info!("agent stopped; outbox drained");
+    } else {
+        tracing::warn!(outbox_left = left, "agent stopped; entries left in Redis are sent by the next start or the region's replicas (-1: not counted)");
+    }
+    match served {
+        Ok(r) => r,
+        Err(e) if e.is_cancelled() => Ok(()),
+        Err(e) => Err(std::io::Error::other(format!("server task failed: {e}"))),
+    }
+}
+
+/// Awaits every task (no extra dependency for `join_all`).
+async fn futures_join_all(tasks: Vec<JoinHandle<()>>) {
     for t in tasks {
         let _ = t.await;
     }
-    let left = outbox::final_drain(&app, Duration::from_secs(5)).await;
-    tracing::info!(outbox_left = left, "agent stopped");
-    served
 }
 
 /// What the binary does: validate, connect, serve until a signal arrives.
@@ -361,7 +443,16 @@ pub async fn serve(config: config::Config) -> Result<(), String> {
     let listener = TcpListener::bind(addr).await.map_err(|e| format!("cannot listen on {addr}: {e}"))?;
     tracing::info!(addr = %listener.local_addr().map_err(|e| e.to_string())?, region = %app.settings.region,
         agent = %app.settings.agent, "agent listening");
-    run(listener, app, shutdown_signal()).await.map_err(|e| format!("server failed: {e}"))
+    let signal = async {
+        shutdown_signal().await;
+        // From here a second signal ends the process at once.
+        tokio::spawn(async {
+            shutdown_signal().await;
+            eprintln!("regional-agent: second signal, exiting at once");
+            std::process::exit(1);
+        });
+    };
+    run(listener, app, signal).await.map_err(|e| format!("server failed: {e}"))
 }
 
 pub use quota_shared::telemetry::{init as init_tracing, shutdown_signal};

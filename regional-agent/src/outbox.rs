@@ -2,30 +2,72 @@
 //! counters per quota and window; `lua/cut.lua` moves them atomically into
 //! a report entry with a fresh report id in this agent's outbox list (in the
 //! quota's slot), and releases of expired leases' unspent tokens are pushed
-//! there by the scripts that retire the leases. This task sends each entry
-//! to the allocator and removes it only once the allocator accepted it (or
-//! refused it for good), so a crash at any point resends the same report id
-//! or lease release, both idempotent at the allocator. Restarted agents
-//! drain their predecessor's entries under their new epoch. The outbox is
-//! bounded: no new report is cut while an agent's outbox holds
-//! [`MAX_OUTBOX`] entries; the counts wait in their counters.
+//! into the outbox of the lease's agent by the scripts that retire the
+//! leases. This task sends each entry to the allocator and removes it only
+//! once the allocator accepted it or refused it for a reason that can never
+//! change, so a crash at any point resends the same report id or lease
+//! release, both idempotent at the allocator. The outbox is bounded: no new
+//! report is cut while an agent's outbox holds [`MAX_OUTBOX`] entries; the
+//! counts wait in their counters.
+//!
+//! **Outboxes belong to the region, not to a process.** Each agent keeps a
+//! liveness key (refreshed every round, expiring [`live_ttl`] after the
+//! last) and is listed in the region's agent set. An agent whose liveness
+//! key is gone (SIGKILL, OOM kill, a pod replaced under a new name) is
+//! adopted by the region's live replicas: its reports are sent under the
+//! adopter's own identity (the allocator applies a report id once, whoever
+//! sends it), its lease releases under the dead agent's identity, for which
+//! the adopter registers (that fences out the dead incarnation, I4; should it
+//! come back, its own registration fences the adopter in turn). Two adopters
+//! sending the same entry are harmless: both calls are idempotent.
+//!
+//! **Refusals are classified** ([`classify`]): only an answer that can never
+//! change (`idempotency_mismatch`, `unknown_lease`, `report_expired`, an
+//! invalid item) takes an entry out without the allocator applying it, and
+//! such an entry goes to the region's dead-letter list (read through
+//! `/v1/status`, counted in `agent_outbox_dead_letters_total`, logged as an
+//! error). A report item the allocator names as invalid is dead-lettered
+//! alone and the rest is sent again under a report id derived from the
+//! first, so a resend after a crash is still idempotent. Everything else
+//! (401/403 during a token rotation, 408, 413, 429, 5xx, a proxy's 404 with
+//! no error body) stays and is retried with backoff.
 
 use crate::client::CallError;
+use crate::keys::Keys;
 use crate::quotas::Quota;
-use crate::store::CUT;
+use crate::store::{StoreError, CUT};
 use crate::AppState;
 use chrono::{TimeZone, Utc};
 use quota_shared::wire::{ReleaseRequest, ReportItem, ReportRequest};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 /// Most entries one agent's outbox of one quota holds before cutting pauses.
 pub const MAX_OUTBOX: i64 = 64;
 /// Entries sent per quota per round.
 const BATCH: isize = 32;
+/// Dead letters kept per region (newest first).
+pub const MAX_DEAD_LETTERS: isize = 1000;
+/// Adoption runs every this many rounds.
+const ADOPT_EVERY: u32 = 5;
+/// Dead agents looked at per adoption round, and quotas of each.
+const ADOPT_AGENTS: usize = 8;
+const ADOPT_QUOTAS: usize = 128;
+/// Dead agents whose identity this agent holds at once.
+const MAX_ADOPTED: usize = 256;
+/// A dead agent whose outboxes were all empty for this long leaves the
+/// region's agent set (a lease of it retired later is stranded: safe side).
+const ADOPT_QUIET: Duration = Duration::from_secs(15 * 60);
+
+/// How long an agent's liveness key outlives its last refresh.
+pub fn live_ttl(interval: Duration) -> Duration {
+    (interval * 10).max(Duration::from_secs(10))
+}
 
 /// One outbox entry as `lua/*.lua` writes it.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(tag = "k")]
 enum Entry {
     /// A release: lease id and unspent tokens.
@@ -36,15 +78,106 @@ enum Entry {
     Report { rid: String, items: Vec<(i64, i64, i64)> },
 }
 
+/// What an answer to one entry means for it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    /// Applied (or applied before): the entry leaves.
+    Done,
+    /// Not applied, may be later: the entry stays, the outbox backs off.
+    Retry,
+    /// The sender's epoch is stale: register again, then resend.
+    Reregister,
+    /// Refused for a reason that can never change: dead letter.
+    Dead,
+    /// One report item is invalid: that item is dead-lettered, the rest resent.
+    DeadItem(usize),
+}
+
+/// The refusal rule. `status`/`code`/`item` are the allocator's answer
+/// (`code` is `unknown` when the body was not the allocator's error JSON,
+/// as from a proxy).
+pub fn classify(status: u16, code: &str, item: Option<usize>, items: usize) -> Verdict {
+    match (status, code) {
+        (409, "stale_epoch") => Verdict::Reregister,
+        (409, "idempotency_mismatch") | (404, "unknown_lease") | (422, "report_expired") => Verdict::Dead,
+        (422, "invalid_field") => match item {
+            Some(i) if items > 1 && i < items => Verdict::DeadItem(i),
+            _ => Verdict::Dead,
+        },
+        // A quota, agent or region the allocator does not know any more
+        // (deleted policy, agent row past retention: the latter answers
+        // stale_epoch) cannot be reported into.
+        (404, "unknown_quota") => Verdict::Dead,
+        // 401/403 (token rotation, another region's credential), 404 or 413
+        // from a proxy, 408, 429, anything unexpected: the allocator may
+        // accept it later.
+        _ => Verdict::Retry,
+    }
+}
+
+/// The report id of what is left of report `rid` once item `i` is taken
+/// out: derived, so the same split after a crash gives the same id.
+fn split_id(rid: &str, i: usize) -> String {
+    format!("{rid}.{i}")
+}
+
+/// Adopted identities of dead agents and the outbox's retry state.
+#[derive(Default)]
+pub struct Outboxes {
+    /// Dead agent id → (epoch registered for it, when its outboxes were
+    /// first seen empty).
+    adopted: Mutex<HashMap<String, (i64, Option<Instant>)>>,
+    /// Consecutive rounds that ended in a retryable refusal.
+    retries: Mutex<u32>,
+}
+
+/// Whose outbox is being sent, and as whom.
+struct Sender {
+    /// The agent whose list it is.
+    owner: String,
+    /// Epoch for releases (the owner's).
+    release_epoch: i64,
+    /// The agent and epoch reports go out under.
+    report_agent: String,
+    report_epoch: i64,
+}
+
 /// Cuts and drains every `interval` until cancelled.
 pub async fn run(app: AppState) {
+    let mut round = 0u32;
     loop {
+        let retries = *app.outboxes.retries.lock().unwrap();
+        let pause = if retries == 0 {
+            app.settings.outbox_interval
+        } else {
+            crate::breaker::backoff(retries, app.settings.outbox_interval, Duration::from_secs(5))
+        };
         tokio::select! {
             _ = app.cancel.cancelled() => return,
-            _ = tokio::time::sleep(app.settings.outbox_interval) => {},
+            _ = tokio::time::sleep(pause) => {},
         }
-        drain_all(&app).await;
+        heartbeat(&app).await;
+        drain_all(&app, None).await;
+        round = round.wrapping_add(1);
+        if round.is_multiple_of(ADOPT_EVERY) {
+            adopt(&app).await;
+        }
     }
+}
+
+/// Refreshes this agent's liveness key and lists it in the region's set.
+pub async fn heartbeat(app: &AppState) {
+    let (region, agent) = (&app.settings.region, &app.settings.agent);
+    let ttl = live_ttl(app.settings.outbox_interval).as_millis() as u64;
+    let _: Result<Option<String>, _> = app
+        .store
+        .cmd(redis::cmd("SET").arg(app.keys.agent_live(region, agent)).arg(1).arg("PX").arg(ttl))
+        .await;
+    let set = app.keys.region_agents(region);
+    let _: Result<i64, _> = app.store.cmd(redis::cmd("SADD").arg(&set).arg(agent)).await;
+    // A region nobody runs in any more leaves nothing behind (F04).
+    let _: Result<i64, _> =
+        app.store.cmd(redis::cmd("PEXPIRE").arg(&set).arg(crate::spend::COUNTER_TTL_MS)).await;
 }
 
 /// Repeats rounds until every outbox is empty or `deadline` passes (at
@@ -52,7 +185,7 @@ pub async fn run(app: AppState) {
 pub async fn final_drain(app: &AppState, deadline: Duration) -> i64 {
     let until = Instant::now() + deadline;
     loop {
-        let left = drain_all(app).await;
+        let left = drain_all(app, Some(until)).await;
         if left == 0 || Instant::now() >= until {
             return left;
         }
@@ -60,101 +193,359 @@ pub async fn final_drain(app: &AppState, deadline: Duration) -> i64 {
     }
 }
 
-/// One round over every quota; returns the entries left (or 1 when a
-/// quota could not be read, so a final drain keeps trying).
-pub async fn drain_all(app: &AppState) -> i64 {
+/// One round over every quota of this agent; returns the entries left (at
+/// least 1 when a quota could not be read, so a final drain keeps trying).
+/// A round stops at the first Redis failure or at `until`: with thousands of
+/// quotas and Redis gone, one timeout per quota would hold a shutdown for
+/// minutes.
+pub async fn drain_all(app: &AppState, until: Option<Instant>) -> i64 {
     let epoch = app.ident.epoch();
     if epoch == 0 {
         return 1;
     }
+    let me = Sender {
+        owner: app.settings.agent.clone(),
+        release_epoch: epoch,
+        report_agent: app.settings.agent.clone(),
+        report_epoch: epoch,
+    };
     let mut left = 0;
-    for q in app.quotas.all() {
-        left += drain_quota(app, &q, epoch).await.unwrap_or(1);
+    let quotas = app.quotas.all();
+    let mut stopped = false;
+    // A loaded Redis may time out one call; three in a row (one at
+    // shutdown) mean it is gone for this round.
+    let give_up = if until.is_some() { 1 } else { 3 };
+    let mut failed_in_row = 0;
+    for q in &quotas {
+        if until.is_some_and(|t| Instant::now() >= t) {
+            stopped = true;
+            break;
+        }
+        match drain_quota(app, q, &me, true).await {
+            Ok(n) => {
+                left += n;
+                failed_in_row = 0;
+            }
+            Err(_) => {
+                stopped = true;
+                failed_in_row += 1;
+                if failed_in_row >= give_up {
+                    break;
+                }
+            }
+        }
+    }
+    if stopped {
+        left = left.max(1);
+    } else {
+        app.metrics.set("agent_outbox_depth", &[], left as f64);
     }
     left += drain_local(app, epoch).await;
-    app.metrics.set("agent_outbox_depth", &[], left as f64);
     // The agent's quota set lives as long as the agent does, plus the
     // counters' ttl: a set of an agent id that never comes back expires (F04).
-    let set = app.keys.agent_quotas(&app.settings.region, &app.settings.agent);
-    let _: Result<i64, _> =
-        app.store.cmd(redis::cmd("PEXPIRE").arg(set).arg(crate::spend::COUNTER_TTL_MS)).await;
+    if !stopped {
+        let set = app.keys.agent_quotas(&app.settings.region, &app.settings.agent);
+        let _: Result<i64, _> =
+            app.store.cmd(redis::cmd("PEXPIRE").arg(set).arg(crate::spend::COUNTER_TTL_MS)).await;
+    }
     left
 }
 
-async fn drain_quota(app: &AppState, q: &Quota, epoch: i64) -> Result<i64, crate::store::StoreError> {
-    let agent = &app.settings.agent;
-    let mut inv = CUT.prepare_invoke();
-    inv.key(format!("{}inc", q.prefix))
-        .arg(&q.prefix)
-        .arg(agent)
-        .arg(uuid::Uuid::new_v4().to_string())
-        .arg(MAX_OUTBOX);
-    let _: i64 = app.store.eval(&inv).await?;
-    let ob = format!("{}ob:{agent}", q.prefix);
+/// Cuts (when `cut`) and sends one quota's list of `s.owner`; returns the
+/// entries left in it.
+async fn drain_quota(app: &AppState, q: &Quota, s: &Sender, cut: bool) -> Result<i64, StoreError> {
+    drain_list(app, &q.prefix, &q.tenant, &q.resource, s, cut).await
+}
+
+async fn drain_list(
+    app: &AppState,
+    prefix: &str,
+    tenant: &str,
+    resource: &str,
+    s: &Sender,
+    cut: bool,
+) -> Result<i64, StoreError> {
+    if cut {
+        let mut inv = CUT.prepare_invoke();
+        inv.key(format!("{prefix}inc"))
+            .arg(prefix)
+            .arg(&s.owner)
+            .arg(uuid::Uuid::new_v4().to_string())
+            .arg(MAX_OUTBOX);
+        let _: i64 = app.store.eval(&inv).await?;
+    }
+    let ob = Keys::outbox(prefix, &s.owner);
     let entries: Vec<String> = app.store.cmd(redis::cmd("LRANGE").arg(&ob).arg(0).arg(BATCH - 1)).await?;
     for raw in entries {
-        let done = match serde_json::from_str::<Entry>(&raw) {
-            Ok(e) => send(app, q, epoch, e).await,
+        let entry = match serde_json::from_str::<Entry>(&raw) {
+            Ok(e) => e,
             Err(e) => {
-                tracing::error!(entry = %raw, error = %e, "dropping an unreadable outbox entry");
-                true
+                dead_letter(app, tenant, resource, &s.owner, &raw, 0, "unreadable", &e.to_string()).await;
+                let _: i64 = app.store.cmd(redis::cmd("LREM").arg(&ob).arg(1).arg(&raw)).await?;
+                continue;
             }
         };
-        if !done {
-            break;
+        let result = send(app, tenant, resource, s, &entry).await;
+        let verdict = match &result {
+            Ok(()) => Verdict::Done,
+            Err(CallError::Unreachable(_)) => Verdict::Retry,
+            Err(CallError::Refused { status, code, item, .. }) => {
+                let n = match &entry {
+                    Entry::Report { items, .. } => items.len(),
+                    Entry::Release { .. } => 1,
+                };
+                classify(*status, code, *item, n)
+            }
+        };
+        match verdict {
+            Verdict::Done => {
+                app.metrics.inc("agent_outbox_sent_total", &[]);
+                *app.outboxes.retries.lock().unwrap() = 0;
+            }
+            Verdict::Retry | Verdict::Reregister => {
+                if verdict == Verdict::Reregister {
+                    stale(app, s);
+                } else if let Err(CallError::Refused { status, code, message, .. }) = &result {
+                    let mut r = app.outboxes.retries.lock().unwrap();
+                    *r = r.saturating_add(1);
+                    tracing::warn!(
+                        tenant,
+                        resource,
+                        status,
+                        code,
+                        message,
+                        "allocator refused an outbox entry for now; retrying with backoff"
+                    );
+                }
+                break;
+            }
+            Verdict::Dead => {
+                let (status, code, message) = refusal(&result);
+                dead_letter(app, tenant, resource, &s.owner, &raw, status, &code, &message).await;
+            }
+            Verdict::DeadItem(i) => {
+                let Entry::Report { rid, mut items } = entry else { break };
+                let bad = items.remove(i);
+                let (status, code, message) = refusal(&result);
+                let bad_raw = serde_json::json!({"k": "rep", "rid": rid, "items": [bad]}).to_string();
+                let rest = serde_json::to_string(&Entry::Report { rid: split_id(&rid, i), items })
+                    .unwrap_or_default();
+                // The remainder first: a crash between the two leaves both,
+                // and the old entry splits again into the same id.
+                let _: i64 = app.store.cmd(redis::cmd("LPUSH").arg(&ob).arg(&rest)).await?;
+                dead_letter(app, tenant, resource, &s.owner, &bad_raw, status, &code, &message).await;
+            }
         }
         let _: i64 = app.store.cmd(redis::cmd("LREM").arg(&ob).arg(1).arg(&raw)).await?;
     }
     app.store.cmd(redis::cmd("LLEN").arg(&ob)).await
 }
 
-/// Sends one entry; `true` when it may leave the outbox.
-async fn send(app: &AppState, q: &Quota, epoch: i64, e: Entry) -> bool {
-    let (what, result) = match e {
+fn refusal(result: &Result<(), CallError>) -> (u16, String, String) {
+    match result {
+        Err(CallError::Refused { status, code, message, .. }) => (*status, code.clone(), message.clone()),
+        _ => (0, String::new(), String::new()),
+    }
+}
+
+/// A stale epoch: this agent registers again; an adopted identity is
+/// dropped (the dead agent came back, or another adopter took over).
+fn stale(app: &AppState, s: &Sender) {
+    if s.owner == app.settings.agent {
+        app.ident.request_register();
+    } else {
+        app.outboxes.adopted.lock().unwrap().remove(&s.owner);
+    }
+}
+
+/// Sends one entry.
+async fn send(app: &AppState, tenant: &str, resource: &str, s: &Sender, e: &Entry) -> Result<(), CallError> {
+    match e {
         Entry::Release { id, u } => {
-            let r = app.alloc.release(&id, &ReleaseRequest { epoch, unspent: u }).await.map(|_| ());
-            (format!("release {id} unspent {u}"), r)
+            app.alloc.release(id, &ReleaseRequest { epoch: s.release_epoch, unspent: *u }).await.map(|_| ())
         }
         Entry::Report { rid, items } => {
             let req = ReportRequest {
                 region: app.settings.region.clone(),
-                agent: app.settings.agent.clone(),
-                epoch,
+                agent: s.report_agent.clone(),
+                epoch: s.report_epoch,
                 report_id: rid.clone(),
                 items: items
                     .iter()
                     .map(|(ws, c, f)| ReportItem {
-                        tenant: q.tenant.clone(),
-                        resource: q.resource.clone(),
+                        tenant: tenant.to_string(),
+                        resource: resource.to_string(),
                         window_start: Utc.timestamp_opt(*ws, 0).single().unwrap_or_default(),
                         consumed: *c,
                         fallback_admitted: *f,
                     })
                     .collect(),
             };
-            (format!("report {rid}"), app.alloc.report(&req).await.map(|_| ()))
+            app.alloc.report(&req).await.map(|_| ())
         }
-    };
-    outcome(app, q, &what, result)
+    }
 }
 
-fn outcome(app: &AppState, q: &Quota, what: &str, result: Result<(), CallError>) -> bool {
-    match result {
-        Ok(()) => {
-            app.metrics.inc("agent_outbox_sent_total", &[]);
-            true
+/// Puts a refused entry on the region's dead-letter list.
+#[allow(clippy::too_many_arguments)]
+async fn dead_letter(
+    app: &AppState,
+    tenant: &str,
+    resource: &str,
+    owner: &str,
+    raw: &str,
+    status: u16,
+    code: &str,
+    message: &str,
+) {
+    tracing::error!(
+        tenant,
+        resource,
+        agent = owner,
+        entry = raw,
+        status,
+        code,
+        message,
+        "allocator refused an outbox entry for good; moved to the region's dead letters"
+    );
+    app.metrics.inc("agent_outbox_dead_letters_total", &[]);
+    let letter = serde_json::json!({
+        "at": Utc::now(),
+        "tenant": tenant,
+        "resource": resource,
+        "agent": owner,
+        "entry": serde_json::from_str::<serde_json::Value>(raw).unwrap_or_else(|_| raw.into()),
+        "status": status,
+        "error": code,
+        "message": message,
+    });
+    let key = app.keys.region_dead_letters(&app.settings.region);
+    let _: Result<i64, _> = app.store.cmd(redis::cmd("LPUSH").arg(&key).arg(letter.to_string())).await;
+    let _: Result<String, _> =
+        app.store.cmd(redis::cmd("LTRIM").arg(&key).arg(0).arg(MAX_DEAD_LETTERS - 1)).await;
+    let _: Result<i64, _> =
+        app.store.cmd(redis::cmd("PEXPIRE").arg(&key).arg(crate::spend::COUNTER_TTL_MS)).await;
+}
+
+/// The region's dead letters: how many, and the newest `n`.
+pub async fn dead_letters(app: &AppState, n: isize) -> Result<(i64, Vec<serde_json::Value>), StoreError> {
+    let key = app.keys.region_dead_letters(&app.settings.region);
+    let count: i64 = app.store.cmd(redis::cmd("LLEN").arg(&key)).await?;
+    if n <= 0 || count == 0 {
+        return Ok((count, Vec::new()));
+    }
+    let recent: Vec<String> = app.store.cmd(redis::cmd("LRANGE").arg(&key).arg(0).arg(n - 1)).await?;
+    Ok((count, recent.iter().filter_map(|r| serde_json::from_str(r).ok()).collect()))
+}
+
+/// Sends what agents of the region that are gone left in their outboxes.
+async fn adopt(app: &AppState) {
+    let (region, me) = (&app.settings.region, &app.settings.agent);
+    let set = app.keys.region_agents(region);
+    let Ok(agents) =
+        app.store.cmd::<Vec<String>>(redis::cmd("SRANDMEMBER").arg(&set).arg(ADOPT_AGENTS)).await
+    else {
+        return;
+    };
+    for dead in agents.into_iter().filter(|a| a != me) {
+        if app.cancel.is_cancelled() {
+            return;
         }
-        Err(CallError::Unreachable(_)) => false,
-        Err(e) if e.code() == Some("stale_epoch") => {
-            app.ident.request_register();
-            false
+        match app.store.cmd::<i64>(redis::cmd("EXISTS").arg(app.keys.agent_live(region, &dead))).await {
+            Ok(0) => {}
+            _ => {
+                app.outboxes.adopted.lock().unwrap().remove(&dead);
+                continue;
+            }
+        }
+        if let Err(e) = adopt_one(app, &dead).await {
+            tracing::debug!(agent = %dead, error = %e, "adopting a gone agent's outbox failed; next round");
+            return;
+        }
+    }
+}
+
+async fn adopt_one(app: &AppState, dead: &str) -> Result<(), StoreError> {
+    let region = &app.settings.region;
+    let quota_set = app.keys.agent_quotas(region, dead);
+    let quotas: Vec<String> =
+        app.store.cmd(redis::cmd("SRANDMEMBER").arg(&quota_set).arg(ADOPT_QUOTAS)).await?;
+    if quotas.is_empty() {
+        // Its quota set expired (or it never held a quota): nothing is left.
+        let _: i64 = app.store.cmd(redis::cmd("SREM").arg(app.keys.region_agents(region)).arg(dead)).await?;
+        app.outboxes.adopted.lock().unwrap().remove(dead);
+        return Ok(());
+    }
+    let mut lists = Vec::new();
+    for m in &quotas {
+        let Some((t, r)) = m.split_once('/') else { continue };
+        let prefix = app.keys.quota(t, r);
+        let n: i64 = app.store.cmd(redis::cmd("LLEN").arg(Keys::outbox(&prefix, dead))).await?;
+        if n > 0 {
+            lists.push((prefix, t.to_string(), r.to_string()));
+        }
+    }
+    if lists.is_empty() {
+        let all: i64 = app.store.cmd(redis::cmd("SCARD").arg(&quota_set)).await?;
+        let quiet_since = {
+            let mut a = app.outboxes.adopted.lock().unwrap();
+            if a.len() >= MAX_ADOPTED && !a.contains_key(dead) {
+                return Ok(());
+            }
+            let e = a.entry(dead.to_string()).or_insert((0, None));
+            *e.1.get_or_insert_with(Instant::now)
+        };
+        if all as usize <= ADOPT_QUOTAS && quiet_since.elapsed() >= ADOPT_QUIET {
+            let _: i64 =
+                app.store.cmd(redis::cmd("SREM").arg(app.keys.region_agents(region)).arg(dead)).await?;
+            app.outboxes.adopted.lock().unwrap().remove(dead);
+            tracing::info!(agent = %dead, "a gone agent's outboxes stayed empty; it left the region's agent set");
+        }
+        return Ok(());
+    }
+    let Some(epoch) = adopted_epoch(app, dead).await else { return Ok(()) };
+    let me = app.ident.epoch();
+    if me == 0 {
+        return Ok(());
+    }
+    let s = Sender {
+        owner: dead.to_string(),
+        release_epoch: epoch,
+        report_agent: app.settings.agent.clone(),
+        report_epoch: me,
+    };
+    for (prefix, t, r) in lists {
+        let left = drain_list(app, &prefix, &t, &r, &s, false).await?;
+        tracing::info!(agent = %dead, tenant = %t, resource = %r, left, "sent a gone agent's outbox entries");
+    }
+    Ok(())
+}
+
+/// The epoch this agent holds for a dead agent's identity, registering for
+/// it the first time.
+async fn adopted_epoch(app: &AppState, dead: &str) -> Option<i64> {
+    {
+        let mut a = app.outboxes.adopted.lock().unwrap();
+        let full = a.len() >= MAX_ADOPTED;
+        match a.get_mut(dead) {
+            Some((e, quiet)) if *e > 0 => {
+                *quiet = None;
+                return Some(*e);
+            }
+            Some(_) => {}
+            None if full => return None,
+            None => {}
+        }
+    }
+    match app.alloc.register(&app.settings.region, dead).await {
+        Ok(r) => {
+            tracing::warn!(agent = %dead, epoch = r.epoch, "adopting the outbox of a gone agent of this region");
+            app.outboxes.adopted.lock().unwrap().insert(dead.to_string(), (r.epoch, None));
+            Some(r.epoch)
         }
         Err(e) => {
-            // Refused for good (unknown lease or quota, mismatch): resending
-            // cannot succeed, and keeping it would block the outbox.
-            tracing::error!(tenant = %q.tenant, resource = %q.resource, what, error = %e, "allocator refused an outbox entry; dropped");
-            app.metrics.inc("agent_outbox_dropped_total", &[]);
-            true
+            tracing::debug!(agent = %dead, error = %e, "cannot register for a gone agent's outbox");
+            None
         }
     }
 }
@@ -179,15 +570,82 @@ async fn drain_local(app: &AppState, epoch: i64) -> i64 {
         match app.alloc.report(&req).await {
             Ok(_) => app.local.sent(&p.report_id),
             Err(CallError::Unreachable(_)) => left += 1,
-            Err(e) if e.code() == Some("stale_epoch") => {
-                app.ident.request_register();
-                left += 1;
-            }
-            Err(e) => {
-                tracing::error!(report_id = %p.report_id, error = %e, "allocator refused a local fallback report; dropped");
-                app.local.sent(&p.report_id);
+            Err(CallError::Refused { status, code, item, message }) => {
+                match classify(status, &code, item, 1) {
+                    Verdict::Done => app.local.sent(&p.report_id),
+                    Verdict::Retry => left += 1,
+                    Verdict::Reregister => {
+                        app.ident.request_register();
+                        left += 1;
+                    }
+                    Verdict::Dead | Verdict::DeadItem(_) => {
+                        let raw = serde_json::json!({"k": "local", "rid": p.report_id, "window_start": p.window_start,
+                        "fallback_admitted": p.admitted})
+                    .to_string();
+                        dead_letter(
+                            app,
+                            &p.tenant,
+                            &p.resource,
+                            &app.settings.agent,
+                            &raw,
+                            status,
+                            &code,
+                            &message,
+                        )
+                        .await;
+                        app.local.sent(&p.report_id);
+                    }
+                }
             }
         }
     }
     left
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_refusals_that_cannot_change_take_an_entry_out() {
+        for (status, code) in [(409, "idempotency_mismatch"), (404, "unknown_lease"), (422, "report_expired")]
+        {
+            assert_eq!(classify(status, code, None, 1), Verdict::Dead, "{status} {code}");
+        }
+        for (status, code) in [
+            (401, "unauthorized"),
+            (403, "wrong_region"),
+            (404, "unknown"),
+            (408, "unknown"),
+            (413, "unknown"),
+            (429, "unknown"),
+            (400, "malformed_json"),
+            (502, "unknown"),
+        ] {
+            assert_eq!(classify(status, code, None, 1), Verdict::Retry, "{status} {code}");
+        }
+        assert_eq!(classify(409, "stale_epoch", None, 1), Verdict::Reregister);
+    }
+
+    #[test]
+    fn an_invalid_item_is_taken_out_alone() {
+        assert_eq!(classify(422, "invalid_field", Some(1), 3), Verdict::DeadItem(1));
+        // The only item, or an index the entry does not have: the whole entry.
+        assert_eq!(classify(422, "invalid_field", Some(0), 1), Verdict::Dead);
+        assert_eq!(classify(422, "invalid_field", Some(5), 3), Verdict::Dead);
+        assert_eq!(classify(422, "invalid_field", None, 3), Verdict::Dead);
+        assert_eq!(split_id("r1", 2), "r1.2");
+        assert_eq!(split_id(&split_id("r1", 2), 0), "r1.2.0");
+    }
+
+    #[test]
+    fn entries_round_trip_as_the_scripts_write_them() {
+        let rep: Entry = serde_json::from_str(r#"{"k":"rep","rid":"a","items":[[60,3,1]]}"#).unwrap();
+        assert_eq!(rep, Entry::Report { rid: "a".into(), items: vec![(60, 3, 1)] });
+        let back: Entry = serde_json::from_str(&serde_json::to_string(&rep).unwrap()).unwrap();
+        assert_eq!(back, rep);
+        let rel: Entry = serde_json::from_str(r#"{"k":"rel","id":"x","u":4}"#).unwrap();
+        assert_eq!(rel, Entry::Release { id: "x".into(), u: 4 });
+        assert!(live_ttl(Duration::from_millis(200)) >= Duration::from_secs(10));
+    }
 }

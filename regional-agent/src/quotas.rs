@@ -17,7 +17,7 @@ use crate::batch::SpendQueue;
 use crate::AppState;
 use quota_shared::wire::{FailMode, GrantRequest, GrantResponse};
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 use tokio::sync::Notify;
@@ -149,6 +149,9 @@ pub struct RenewState {
     pub failures: u32,
     /// No renewal before this instant (backoff).
     pub not_before: Option<Instant>,
+    /// The backoff was taken because the allocator did not answer: it ends
+    /// when the allocator answers again.
+    pub unreachable: bool,
     /// The next window (start) already prefetched.
     pub prefetched: Option<i64>,
     /// No `"next"` request before this instant (the allocator said too early).
@@ -175,6 +178,9 @@ pub struct Quota {
     pub renew: Mutex<RenewState>,
     /// Set while a request waits for a renewal.
     pub waiting: AtomicBool,
+    /// The largest cost a waiting request needs (a lease with fewer tokens
+    /// does not serve it, so the renewer asks for at least this many).
+    pub waiting_need: AtomicI64,
     /// The allocator answered 404 for this quota; until then answer 404.
     pub unknown_until: Mutex<Option<Instant>>,
     pub last_used: Mutex<Instant>,
@@ -236,6 +242,7 @@ impl Quotas {
             demand: Mutex::new(Demand::default()),
             renew: Mutex::new(RenewState::default()),
             waiting: AtomicBool::new(false),
+            waiting_need: AtomicI64::new(0),
             unknown_until: Mutex::new(None),
             last_used: Mutex::new(Instant::now()),
             wake: Notify::new(),
@@ -344,9 +351,17 @@ pub fn note_loss(app: &AppState, q: &Quota, flag: i64) {
     }
 }
 
-/// Marks a quota as waited on (the renewer then renews even without measured demand).
-pub fn set_waiting(q: &Quota) {
+/// Marks a quota as waited on by a request of `cost` (the renewer then
+/// renews even without measured demand, for at least `cost` tokens).
+pub fn set_waiting(q: &Quota, cost: i64) {
+    q.waiting_need.fetch_max(cost, Ordering::SeqCst);
     q.waiting.store(true, Ordering::SeqCst);
+}
+
+/// The renewer served the waiters (or gave up on this round).
+pub fn clear_waiting(q: &Quota) {
+    q.waiting.store(false, Ordering::SeqCst);
+    q.waiting_need.store(0, Ordering::SeqCst);
 }
 
 #[cfg(test)]

@@ -28,10 +28,28 @@ use std::time::{Duration, Instant};
 /// Taken off every lease's life for the Redis round trip of the credit.
 const SAFETY_MS: i64 = 5;
 /// A quota unused this long is looked at once a second only.
-const IDLE_AFTER: Duration = Duration::from_secs(30);
+pub const IDLE_AFTER: Duration = Duration::from_secs(30);
 /// How long an unanswered grant is resent unchanged; past it a fresh
 /// request is cheaper than replaying a lease that has likely expired.
 const RESEND_UNANSWERED_FOR: Duration = Duration::from_secs(10);
+
+/// Longest a renewer waits after the allocator did not answer.
+const UNREACHABLE_CAP: Duration = Duration::from_millis(400);
+
+/// The renewal backoff to honour: one taken because the allocator was
+/// unreachable ends as soon as the allocator answers again (any call of
+/// any quota closed the breaker), so the region heals within a round trip
+/// instead of sleeping out the backoff; a refusal's backoff stays.
+fn heal_backoff(q: &Quota, not_before: Option<Instant>, reachable: bool) -> Option<Instant> {
+    let mut r = q.renew.lock().unwrap();
+    if r.unreachable && reachable {
+        r.unreachable = false;
+        r.failures = 0;
+        r.not_before = None;
+        return None;
+    }
+    not_before
+}
 
 /// Reads the policy other replicas cached in Redis.
 pub async fn load_policy(app: &AppState, q: &Quota) -> Option<PolicyInfo> {
@@ -60,6 +78,13 @@ pub async fn run(app: AppState, q: Arc<Quota>) {
         if let Err(e) = renew_once(&app, &q).await {
             tracing::debug!(tenant = %q.tenant, resource = %q.resource, error = %e, "renewal round failed");
         }
+        // The round that taught the policy also credited a lease whose
+        // release may go into this agent's outbox: the quota set must name
+        // the quota before the next tick (a restart or an adopter finds the
+        // outbox through it).
+        if !registered && q.policy().is_some() {
+            registered = app.store.cmd::<i64>(redis::cmd("SADD").arg(&registry).arg(&member)).await.is_ok();
+        }
         let idle_for = q.last_used.lock().unwrap().elapsed();
         if idle_for > IDLE_EVICT && retire_if_idle(&app, &q, &registry, &member).await {
             return;
@@ -87,7 +112,7 @@ async fn retire_if_idle(app: &AppState, q: &Arc<Quota>, registry: &str, member: 
     if v.available > 0 || v.pending > 0 {
         return false;
     }
-    let ob = format!("{}ob:{}", q.prefix, app.settings.agent);
+    let ob = crate::keys::Keys::outbox(&q.prefix, &app.settings.agent);
     let outbox: Result<i64, _> = app.store.cmd(redis::cmd("LLEN").arg(&ob)).await;
     let uncut: Result<i64, _> = app.store.cmd(redis::cmd("SCARD").arg(format!("{}dirty", q.prefix))).await;
     if !matches!((outbox, uncut), (Ok(0), Ok(0))) {
@@ -167,8 +192,9 @@ async fn renew_once(app: &AppState, q: &Arc<Quota>) -> Result<(), StoreError> {
     let label = format!("{}/{}", q.tenant, q.resource);
     app.metrics.set("agent_lease_tokens", &[("quota", &label)], v.available as f64);
     let waiting = q.waiting.load(Ordering::SeqCst);
-    if waiting && v.available > 0 {
-        q.waiting.store(false, Ordering::SeqCst);
+    let need = q.waiting_need.load(Ordering::SeqCst).max(1);
+    if waiting && v.available >= need {
+        crate::quotas::clear_waiting(q);
         q.renewed.notify_waiters();
     }
     let active = rate > 0.05 || waiting;
@@ -191,7 +217,8 @@ async fn renew_once(app: &AppState, q: &Arc<Quota>) -> Result<(), StoreError> {
         (r.not_before, r.prefetched, r.next_not_before)
     };
     let now_i = Instant::now();
-    if not_before.is_some_and(|t| now_i < t) || !app.alloc.breaker.allow() {
+    let not_before = heal_backoff(q, not_before, app.allocator_reachable());
+    if not_before.is_some_and(|t| now_i < t) || app.alloc.breaker.is_open() {
         if waiting {
             q.renewed.notify_waiters();
         }
@@ -207,7 +234,7 @@ async fn renew_once(app: &AppState, q: &Arc<Quota>) -> Result<(), StoreError> {
     // new lease on every tick until the old one expired.
     let want_current = v.exhausted_ms <= 0
         && to_end_ms > 50
-        && ((v.lasting as f64) < need_tokens || (waiting && v.available == 0));
+        && ((v.lasting as f64) < need_tokens || (waiting && v.available < need));
     let window_ms = p.window_secs * 1000;
     let lead_ms = (2.0 * horizon_ms).max(500.0).min(window_ms as f64 / 2.0);
     let want_next = rate > 0.05
@@ -232,7 +259,7 @@ async fn renew_once(app: &AppState, q: &Arc<Quota>) -> Result<(), StoreError> {
     if !measured {
         rest = rest.max(floor);
     }
-    want_cur = want_cur.min(rest).min(p.limit).max(1);
+    want_cur = want_cur.min(rest).max(if waiting { need } else { 1 }).min(p.limit).max(1);
     let want_nxt = ((rate * chunk_s).ceil() as i64).max(floor).min(p.limit).max(1);
     with_lock(app, q, move |app, q| async move {
         if want_current {
@@ -260,8 +287,9 @@ async fn learn(app: &AppState, q: &Arc<Quota>) -> Result<(), StoreError> {
         let n = app.ident.registered.notified();
         let _ = tokio::time::timeout(app.settings.allocator_timeout, n).await;
     }
-    let blocked = q.renew.lock().unwrap().not_before.is_some_and(|t| Instant::now() < t);
-    if app.ident.epoch() == 0 || blocked || !app.alloc.breaker.allow() {
+    let nb = q.renew.lock().unwrap().not_before;
+    let blocked = heal_backoff(q, nb, app.allocator_reachable()).is_some_and(|t| Instant::now() < t);
+    if app.ident.epoch() == 0 || blocked || app.alloc.breaker.is_open() {
         q.renewed.notify_waiters();
         return Ok(());
     }
@@ -328,6 +356,7 @@ async fn grant(app: &AppState, q: &Arc<Quota>, sel: WindowSel, want: i64, rate: 
                 r.rtt_ms = if r.rtt_ms == 0.0 { rtt } else { r.rtt_ms * 0.8 + rtt * 0.2 };
                 r.failures = 0;
                 r.not_before = None;
+                r.unreachable = false;
                 if sel == WindowSel::Next {
                     r.prefetched = Some(g.window_start.timestamp());
                 }
@@ -349,7 +378,7 @@ async fn grant(app: &AppState, q: &Arc<Quota>, sel: WindowSel, want: i64, rate: 
             app.ident.request_register();
             "stale_epoch"
         }
-        Err(CallError::Refused { status, code, message }) => {
+        Err(CallError::Refused { status, code, message, .. }) => {
             if sel == WindowSel::Next {
                 // Too early for "next" (the window's lease_ttl is shorter than our lead).
                 q.renew.lock().unwrap().next_not_before = Some(Instant::now() + Duration::from_millis(250));
@@ -367,16 +396,19 @@ async fn grant(app: &AppState, q: &Arc<Quota>, sel: WindowSel, want: i64, rate: 
             let mut r = q.renew.lock().unwrap();
             r.unanswered = Some((req, first_sent));
             r.failures += 1;
-            r.not_before = Some(
-                Instant::now() + backoff(r.failures, Duration::from_millis(100), Duration::from_secs(5)),
-            );
+            // Short: the breaker already keeps calls from leaving while the
+            // allocator is down, and a renewer asleep for seconds after it
+            // came back is a region answering 503 for nothing (heal < 1 s).
+            r.not_before =
+                Some(Instant::now() + backoff(r.failures, Duration::from_millis(50), UNREACHABLE_CAP));
+            r.unreachable = true;
             tracing::debug!(tenant = %q.tenant, resource = %q.resource, why, "grant failed: allocator unreachable");
             "unreachable"
         }
     };
     app.metrics.inc("agent_renewals_total", &[("result", outcome)]);
     app.metrics.set("agent_allocator_reachable", &[], if app.allocator_reachable() { 1.0 } else { 0.0 });
-    q.waiting.store(false, Ordering::SeqCst);
+    crate::quotas::clear_waiting(q);
     q.renewed.notify_waiters();
 }
 
@@ -413,6 +445,7 @@ async fn credit(
 ) -> &'static str {
     if g.tokens <= 0 {
         if sel == WindowSel::Current {
+            tracing::debug!(tenant = %q.tenant, resource = %q.resource, "the allocator said the pool is empty");
             // Tell every replica: answer 429 at once. Re-asked after at most
             // a second, since releases can refill the pool.
             let retry = g.retry_after_ms.unwrap_or(1000).max(1);

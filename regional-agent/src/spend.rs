@@ -38,6 +38,8 @@ pub const MAX_REQUEST_ID_LEN: usize = 128;
 /// TTL of the region's counters and lease books: long enough to outlive a
 /// long partition before the counts are reported.
 pub const COUNTER_TTL_MS: i64 = 7 * 24 * 3600 * 1000;
+/// How long past its window's end a request id is remembered.
+pub const REQUEST_ID_MARGIN_MS: i64 = 10_000;
 /// Longest a request waits for a next-window lease about to open.
 const MAX_OPEN_WAIT_MS: i64 = 250;
 
@@ -110,7 +112,8 @@ fn parse(body: std::result::Result<Bytes, BytesRejection>) -> Result<AcquireRequ
         (status = 200, description = "Admitted: {allowed: true, source: lease|fallback, window_start, remaining}; carries RateLimit-Policy and RateLimit"),
         (status = 400, description = "Malformed JSON", body = quota_shared::wire::ErrorBody),
         (status = 422, description = "Invalid value; the message names the field", body = quota_shared::wire::ErrorBody),
-        (status = 429, description = "quota_exhausted with retry_after_s and Retry-After"),
+        (status = 409, description = "request_id_mismatch: the request_id was first used with another resource or cost (tenant-wide, until its window ends)", body = quota_shared::wire::ErrorBody),
+        (status = 429, description = "quota_exhausted with retry_after_s and Retry-After: only when the allocator said the pool is empty"),
         (status = 503, description = "allocator_unreachable (strict mode) or store_unavailable, with Retry-After"),
     ),
     tag = "agent"
@@ -179,11 +182,11 @@ pub fn rate_limit_headers(
 }
 
 /// Waits until the renewer reports, at most `d`.
-async fn wait_renewal(q: &Quota, d: Duration) {
+async fn wait_renewal(q: &Quota, cost: i64, d: Duration) {
     let n = q.renewed.notified();
     tokio::pin!(n);
     n.as_mut().enable();
-    quotas::set_waiting(q);
+    quotas::set_waiting(q, cost);
     q.wake.notify_one();
     let _ = tokio::time::timeout(d, n).await;
 }
@@ -216,7 +219,7 @@ async fn decide(app: &AppState, req: &AcquireRequest, policy_out: &mut Option<Po
             && !app.unknown.contains(&req.tenant, &req.resource)
             && Instant::now() < deadline
         {
-            wait_renewal(&q, deadline.saturating_duration_since(Instant::now())).await;
+            wait_renewal(&q, 1, deadline.saturating_duration_since(Instant::now())).await;
             if !app.allocator_reachable() {
                 break;
             }
@@ -233,55 +236,188 @@ async fn decide(app: &AppState, req: &AcquireRequest, policy_out: &mut Option<Po
     if req.cost > p.limit {
         return Err(Error::invalid("cost", format!("{} is above the quota's limit {}", req.cost, p.limit)));
     }
-    let mut waited = 0;
+    let claimed = match &req.request_id {
+        Some(rid) => match claim_request_id(app, req, rid, p).await {
+            Ok(c) => c,
+            Err(ClaimError::Mismatch(m)) => return Err(Error::RequestIdMismatch(m)),
+            Err(ClaimError::Store(e)) => {
+                tracing::warn!(tenant = %req.tenant, resource = %req.resource, error = %e, "request id claim failed");
+                return local_fallback(app, req, p);
+            }
+        },
+        None => false,
+    };
+    let decided = spend_with_waits(app, &q, p, req).await;
+    if claimed && decided.is_err() {
+        // Only admits are remembered: a refused request may be retried
+        // with the same id and another cost.
+        let key = app.keys.request_id_claim(&req.tenant, req.request_id.as_deref().unwrap_or_default());
+        let _: std::result::Result<i64, _> = app.store.cmd(redis::cmd("DEL").arg(key)).await;
+    }
+    decided
+}
+
+/// Most spend runs one request makes (a bound on the loop, whatever the
+/// clocks do; the time budget normally ends it first).
+const MAX_TRIES: usize = 64;
+
+/// What one spend run that found no token saw.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Seen {
+    /// ms until a next-window lease opens, or -1.
+    pub wait_ms: i64,
+    /// > 0: the allocator said the pool is empty, retry after this many ms.
+    pub exhausted_ms: i64,
+    /// Whether the allocator counts as reachable.
+    pub reachable: bool,
+    pub fail_mode: FailMode,
+    /// Whether this run was allowed to admit from the fallback allowance.
+    pub fallback_tried: bool,
+}
+
+/// What the request does next.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Step {
+    /// A next-window lease opens this soon: sleep, then spend again.
+    SleepOpen(Duration),
+    /// Wake the renewer and wait for its round, at most this long.
+    WaitRenewal(Duration),
+    /// Spend again at once (reachability changed: the fallback may admit).
+    Again,
+    /// `429`: the allocator said the pool is empty.
+    Exhausted(i64),
+    /// `503`: the agent cannot decide (allocator unreachable and the fail
+    /// mode or the allowance says no, or no lease came within the budget).
+    Unavailable,
+}
+
+/// The acquire rule (README "Guarantees"): a request with no token waits
+/// for the renewer within one time budget; it is answered 429 only when the
+/// allocator said the pool is empty, never because a renewal is late (a
+/// late renewal ends in 503 once the budget is spent); while the allocator
+/// is unreachable the fail mode decides (bounded: the fallback allowance,
+/// then 503; strict: 503).
+pub fn step(seen: Seen, elapsed: Duration, budget: Duration) -> Step {
+    let left = budget.saturating_sub(elapsed);
+    if (0..=MAX_OPEN_WAIT_MS).contains(&seen.wait_ms) {
+        return Step::SleepOpen(Duration::from_millis(seen.wait_ms as u64 + 2));
+    }
+    if seen.exhausted_ms > 0 && seen.reachable {
+        return Step::Exhausted(seen.exhausted_ms);
+    }
+    if !seen.reachable {
+        if seen.fail_mode == FailMode::Strict || seen.fallback_tried {
+            return Step::Unavailable;
+        }
+        return Step::Again;
+    }
+    if left.is_zero() {
+        return Step::Unavailable;
+    }
+    Step::WaitRenewal(left)
+}
+
+/// Spends, waiting for renewals by [`step`]'s rule.
+async fn spend_with_waits(
+    app: &AppState,
+    q: &Arc<Quota>,
+    p: PolicyInfo,
+    req: &AcquireRequest,
+) -> Result<Admit> {
+    // One wait for the renewal the request wakes, then up to one allocator
+    // timeout for its answer: a renewal that times out makes the allocator
+    // unreachable, which the fail mode then decides.
+    let budget = app.settings.acquire_wait + app.settings.allocator_timeout + Duration::from_millis(100);
+    let started = Instant::now();
     // Whether an earlier try of this request already counted its demand.
     let mut counted = false;
-    for _ in 0..8 {
+    for _ in 0..MAX_TRIES {
         let reachable = app.allocator_reachable();
         let fallback = !reachable && p.fail_mode == FailMode::Bounded;
-        let r = match spend_once(app, &q, p, req, fallback, !counted).await {
+        let r = match spend_once(app, q, p, req, fallback, !counted).await {
             Ok(r) => r,
             Err(e) => {
                 tracing::warn!(tenant = %req.tenant, resource = %req.resource, error = %e, "spend failed");
                 return local_fallback(app, req, p);
             }
         };
-        match r {
+        let (wait_ms, exhausted_ms) = match r {
             Spend::Admit(a) => return Ok(a),
             // The script has stranded what it could not trust and the
             // batch noted the loss (re-registering); decide again on the
             // fresh incarnation.
-            Spend::Lost => {}
-            Spend::None { wait_ms, exhausted_ms } => {
-                counted = true;
-                if (0..=MAX_OPEN_WAIT_MS).contains(&wait_ms) {
-                    tokio::time::sleep(Duration::from_millis(wait_ms as u64 + 2)).await;
-                    continue;
+            Spend::Lost => continue,
+            Spend::None { wait_ms, exhausted_ms } => (wait_ms, exhausted_ms),
+        };
+        counted = true;
+        let seen =
+            Seen { wait_ms, exhausted_ms, reachable, fail_mode: p.fail_mode, fallback_tried: fallback };
+        match step(seen, started.elapsed(), budget) {
+            Step::SleepOpen(d) => tokio::time::sleep(d).await,
+            Step::WaitRenewal(d) => wait_renewal(q, req.cost, d).await,
+            Step::Again => {}
+            Step::Exhausted(ms) => return Err(Error::Exhausted { retry_after_ms: ms }),
+            Step::Unavailable => {
+                if reachable {
+                    tracing::debug!(tenant = %req.tenant, resource = %req.resource,
+                        waited_ms = started.elapsed().as_millis() as u64, "no token after both waits");
                 }
-                if exhausted_ms > 0 && reachable {
-                    return Err(Error::Exhausted { retry_after_ms: exhausted_ms });
-                }
-                if !reachable {
-                    if p.fail_mode == FailMode::Strict || fallback {
-                        return Err(Error::AllocatorUnreachable);
-                    }
-                    continue;
-                }
-                // First a short wait for the renewal; then, if the answer is
-                // still out, up to one allocator timeout: a renewal that
-                // times out makes the allocator unreachable (fallback or 503),
-                // and only a known-empty pool (or none left after both waits)
-                // is a 429.
-                waited += 1;
-                match waited {
-                    1 => wait_renewal(&q, app.settings.acquire_wait).await,
-                    2 => wait_renewal(&q, app.settings.allocator_timeout + Duration::from_millis(100)).await,
-                    _ => return Err(Error::Exhausted { retry_after_ms: 1000 }),
-                }
+                return Err(Error::AllocatorUnreachable);
             }
         }
     }
-    Err(Error::Exhausted { retry_after_ms: 1000 })
+    Err(Error::AllocatorUnreachable)
+}
+
+/// Why a request id could not be claimed.
+enum ClaimError {
+    Mismatch(String),
+    Store(crate::store::StoreError),
+}
+
+/// Ties a request id to its request, tenant-wide: the first use records
+/// the quota and cost (until the current window's end plus a margin); a
+/// repeat with the same quota and cost proceeds (the spend script answers
+/// it with the first decision), one with another quota or cost is refused.
+/// Returns whether this request made the claim.
+async fn claim_request_id(
+    app: &AppState,
+    req: &AcquireRequest,
+    rid: &str,
+    p: PolicyInfo,
+) -> std::result::Result<bool, ClaimError> {
+    let key = app.keys.request_id_claim(&req.tenant, rid);
+    let value = format!("{}:{}:{}", req.resource.len(), req.resource, req.cost);
+    let ttl = request_id_ttl_ms(app, p);
+    let old: Option<String> = app
+        .store
+        .cmd(redis::cmd("SET").arg(&key).arg(&value).arg("NX").arg("GET").arg("PX").arg(ttl))
+        .await
+        .map_err(ClaimError::Store)?;
+    match old {
+        None => Ok(true),
+        Some(o) if o == value => Ok(false),
+        Some(o) => {
+            let first = o.split_once(':').and_then(|(n, rest)| {
+                let n: usize = n.parse().ok()?;
+                let (res, cost) = (rest.get(..n)?, rest.get(n + 1..)?);
+                Some(format!("resource {res:?} with cost {cost}"))
+            });
+            Err(ClaimError::Mismatch(format!(
+                "request_id {rid:?} was first used for {}; this request names resource {:?} with cost {}",
+                first.unwrap_or_else(|| "another request".into()),
+                req.resource,
+                req.cost
+            )))
+        }
+    }
+}
+
+/// How long a request id is remembered: until the end of the window it is
+/// decided in, plus a margin for clocks and retries.
+fn request_id_ttl_ms(app: &AppState, p: PolicyInfo) -> i64 {
+    let now = app.clock.now_utc();
+    Window::containing(now, p.window_secs).ms_until_end(now).max(0) + REQUEST_ID_MARGIN_MS
 }
 
 fn local_fallback(app: &AppState, req: &AcquireRequest, p: PolicyInfo) -> Result<Admit> {
@@ -308,7 +444,7 @@ async fn spend_once(
         fallback,
         window_secs: p.window_secs,
         allowance: p.fallback_allowance,
-        rid_ttl_ms: p.window_secs * 1000,
+        rid_ttl_ms: request_id_ttl_ms(app, p),
     };
     let rid = req.request_id.as_deref().map(Keys::request_id_suffix).unwrap_or_default();
     let ask = Ask { cost: req.cost, rid, count_demand };
@@ -316,4 +452,64 @@ async fn spend_once(
     let r = batch::spend(app, q, common, ask).await;
     app.metrics.observe("agent_acquire_store_seconds", &[], sent.elapsed().as_secs_f64());
     r
+}
+
+#[cfg(test)]
+mod step_tests {
+    use super::*;
+
+    const B: Duration = Duration::from_millis(600);
+
+    fn seen(
+        wait_ms: i64,
+        exhausted_ms: i64,
+        reachable: bool,
+        fail_mode: FailMode,
+        fallback_tried: bool,
+    ) -> Seen {
+        Seen { wait_ms, exhausted_ms, reachable, fail_mode, fallback_tried }
+    }
+
+    #[test]
+    fn a_next_window_lease_about_to_open_is_waited_for() {
+        let s = seen(40, -1, true, FailMode::Bounded, false);
+        assert_eq!(step(s, Duration::ZERO, B), Step::SleepOpen(Duration::from_millis(42)));
+        // Beyond the longest open wait: the renewer is asked instead.
+        let s = seen(MAX_OPEN_WAIT_MS + 1, -1, true, FailMode::Bounded, false);
+        assert_eq!(step(s, Duration::ZERO, B), Step::WaitRenewal(B));
+    }
+
+    #[test]
+    fn a_429_only_when_the_allocator_said_empty() {
+        let s = seen(-1, 700, true, FailMode::Strict, false);
+        assert_eq!(step(s, Duration::ZERO, B), Step::Exhausted(700));
+        // A late renewal is never a 429: wait within the budget, then 503.
+        let s = seen(-1, -1, true, FailMode::Strict, false);
+        assert_eq!(step(s, Duration::from_millis(100), B), Step::WaitRenewal(Duration::from_millis(500)));
+        assert_eq!(step(s, B, B), Step::Unavailable);
+        assert_eq!(step(s, B * 3, B), Step::Unavailable);
+    }
+
+    #[test]
+    fn unreachable_follows_the_fail_mode() {
+        // Strict: 503 at once, even with an old "empty" mark.
+        assert_eq!(step(seen(-1, -1, false, FailMode::Strict, false), Duration::ZERO, B), Step::Unavailable);
+        assert_eq!(step(seen(-1, 500, false, FailMode::Strict, false), Duration::ZERO, B), Step::Unavailable);
+        // Bounded: spend again with the fallback; once it was tried, 503.
+        assert_eq!(step(seen(-1, -1, false, FailMode::Bounded, false), Duration::ZERO, B), Step::Again);
+        assert_eq!(step(seen(-1, -1, false, FailMode::Bounded, true), Duration::ZERO, B), Step::Unavailable);
+    }
+
+    #[test]
+    fn the_budget_bounds_every_wait() {
+        let s = seen(-1, -1, true, FailMode::Bounded, false);
+        let mut waited = Duration::ZERO;
+        let mut tries = 0;
+        while let Step::WaitRenewal(d) = step(s, waited, B) {
+            assert!(d <= B);
+            waited += d.max(Duration::from_millis(50));
+            tries += 1;
+        }
+        assert!(waited >= B && tries <= 2, "{waited:?} {tries}");
+    }
 }

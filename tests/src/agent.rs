@@ -161,11 +161,16 @@ impl AgentProc {
     }
 }
 
+fn host_port(url: &str) -> String {
+    url.trim_start_matches("http://").trim_end_matches('/').to_string()
+}
+
 /// A TCP proxy to `upstream` that can be switched to a black hole.
 pub struct Switch {
     /// `http://127.0.0.1:PORT`, to give to an agent as its allocator.
     pub url: String,
     up: Arc<AtomicBool>,
+    target: Arc<std::sync::Mutex<String>>,
     gen: watch::Sender<u64>,
     task: tokio::task::JoinHandle<()>,
 }
@@ -173,7 +178,8 @@ pub struct Switch {
 impl Switch {
     /// A proxy forwarding to `upstream` (`http://host:port`).
     pub async fn start(upstream: &str) -> Switch {
-        let target = upstream.trim_start_matches("http://").trim_end_matches('/').to_string();
+        let target = Arc::new(std::sync::Mutex::new(host_port(upstream)));
+        let target2 = target.clone();
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind proxy");
         let url = format!("http://{}", listener.local_addr().expect("addr"));
         let up = Arc::new(AtomicBool::new(true));
@@ -184,7 +190,7 @@ impl Switch {
             loop {
                 let Ok((mut inbound, _)) = listener.accept().await else { continue };
                 let mut rx = gen2.subscribe();
-                let target = target.clone();
+                let target = target2.lock().unwrap().clone();
                 let forward = up2.load(Ordering::SeqCst);
                 tokio::spawn(async move {
                     if !forward {
@@ -201,7 +207,14 @@ impl Switch {
                 });
             }
         });
-        Switch { url, up, gen, task }
+        Switch { url, up, target, gen, task }
+    }
+
+    /// Forwards new connections to `upstream` from now on (open ones are
+    /// dropped): a service replaced behind a stable address.
+    pub fn set_upstream(&self, upstream: &str) {
+        *self.target.lock().unwrap() = host_port(upstream);
+        self.gen.send_modify(|g| *g += 1);
     }
 
     /// Cuts the network: open connections stall, new ones are never answered.

@@ -165,6 +165,12 @@ impl TestRedis {
         self.spawn(&bin);
     }
 
+    /// Sends `sig` to a local server (SIGSTOP: a Redis that accepts
+    /// connections and never answers; SIGCONT: back).
+    pub fn signal(&self, sig: i32) {
+        self.child.as_ref().expect("a local redis-server").signal(sig);
+    }
+
     /// The port of a local server.
     pub fn port(&self) -> u16 {
         self.port
