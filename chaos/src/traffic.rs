@@ -69,6 +69,8 @@ pub struct Answer {
     pub status: u16,
     /// The `error` code of a refusal (`store_unavailable`, ...), empty otherwise.
     pub error: String,
+    /// Whether an admit came from a lease (not the fallback allowance).
+    pub lease: bool,
 }
 
 /// Offered load of one region: requests per second spread over its agents.
@@ -216,7 +218,8 @@ impl ClientCtx {
             let (seen, status, error) = self.acquire(url).await;
             if let Ok(mut a) = self.answers.lock() {
                 let done_ms = chrono::Utc::now().timestamp_millis();
-                a.push(Answer { region: self.region.clone(), sent_ms, done_ms, status, error });
+                let lease = matches!(seen, Seen::Lease(_));
+                a.push(Answer { region: self.region.clone(), sent_ms, done_ms, status, error, lease });
             }
             self.record(seen, sent_ms);
         }

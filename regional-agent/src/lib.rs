@@ -272,9 +272,20 @@ impl App {
     /// The quota, created (with its renewer) on first use; `None` when
     /// [`quotas::MAX_LEARNING`] quotas are still learning their policy.
     pub fn quota(self: &Arc<Self>, tenant: &str, resource: &str) -> Option<Arc<Quota>> {
+        self.quota_of(tenant, resource, false)
+    }
+
+    /// [`App::quota`]; `known` for a quota of the agent's quota set (see
+    /// [`Quotas::get_or_create`]).
+    fn quota_of(self: &Arc<Self>, tenant: &str, resource: &str, known: bool) -> Option<Arc<Quota>> {
         let first = if self.region_fresh.load(Ordering::SeqCst) { "?" } else { "" };
-        let (q, created) =
-            self.quotas.get_or_create(tenant, resource, || self.keys.quota(tenant, resource), first)?;
+        let (q, created) = self.quotas.get_or_create(
+            tenant,
+            resource,
+            || self.keys.quota(tenant, resource),
+            first,
+            known,
+        )?;
         if created {
             let h = tokio::spawn(renew::run(self.clone(), q.clone()));
             self.tasks.lock().unwrap().push(h);
@@ -325,7 +336,10 @@ async fn boot(app: &AppState) {
                         // No request has used it in this process yet: idle
                         // (looked at once a second), or thousands of reloaded
                         // quotas would each run a view every 50 ms.
-                        if let Some(q) = app.quota(t, r) {
+                        if let Some(q) = app.quota_of(t, r, true) {
+                            // Its cached policy, so it does not count as
+                            // learning (that would hold new names back).
+                            let _ = renew::load_policy(app, &q).await;
                             if let Some(t) = std::time::Instant::now().checked_sub(renew::IDLE_AFTER * 2) {
                                 *q.last_used.lock().unwrap() = t;
                             }

@@ -217,19 +217,25 @@ pub struct Quotas {
 
 impl Quotas {
     /// The quota, and whether it was created now; `None` when
-    /// [`MAX_LEARNING`] quotas are still learning their policy.
+    /// [`MAX_LEARNING`] quotas are still learning their policy (unless
+    /// `known`: a quota from the agent's quota set exists, whatever its
+    /// policy cache says, and must be loaded for its outbox to drain).
     pub fn get_or_create(
         &self,
         tenant: &str,
         resource: &str,
         prefix: impl FnOnce() -> String,
         first_token: &str,
+        known: bool,
     ) -> Option<(Arc<Quota>, bool)> {
         let mut m = self.map.lock().unwrap();
         if let Some(q) = m.get(&(tenant.to_string(), resource.to_string())) {
             return Some((q.clone(), false));
         }
-        if m.len() >= MAX_LEARNING && m.values().filter(|q| q.policy().is_none()).count() >= MAX_LEARNING {
+        if !known
+            && m.len() >= MAX_LEARNING
+            && m.values().filter(|q| q.policy().is_none()).count() >= MAX_LEARNING
+        {
             return None;
         }
         let q = Arc::new(Quota {
@@ -368,6 +374,19 @@ pub fn clear_waiting(q: &Quota) {
 mod tests {
     use super::*;
     use std::time::Duration;
+
+    #[test]
+    fn the_learning_cap_holds_new_names_but_not_quotas_the_agent_already_knew() {
+        let qs = Quotas::default();
+        for i in 0..MAX_LEARNING {
+            assert!(qs.get_or_create("t", &format!("r{i}"), || format!("p{i}"), "", false).is_some());
+        }
+        assert!(qs.get_or_create("t", "new", || "p".into(), "", false).is_none(), "cap reached");
+        // Reloaded from the agent's quota set at a restart: its outbox must drain.
+        let (q, created) = qs.get_or_create("t", "known", || "p".into(), "", true).expect("known quota");
+        assert!(created && qs.holds(&q));
+        assert_eq!(qs.len(), MAX_LEARNING + 1);
+    }
 
     #[test]
     fn demand_follows_a_steady_rate() {

@@ -19,6 +19,9 @@ fn totals(run: &Run, region: &str) -> Counts {
     region_total(&run.tally(), region)
 }
 
+/// Longest from the heal of a partition to the first admit from a lease.
+const HEAL_BOUND_MS: i64 = 1000;
+
 /// 1 and 2: `us` loses the allocator for three windows.
 pub async fn partition(p: &Profile, bins: Bins, strict: bool) -> Result<ScenarioReport, String> {
     let name = if strict { "partition-strict" } else { "partition-bounded" };
@@ -31,8 +34,26 @@ pub async fn partition(p: &Profile, bins: Bins, strict: bool) -> Result<Scenario
     run.pass(3.0).await;
     let during = totals(&run, "us").since(&before);
     run.stack.region("us").alloc_link.set(Fault::Pass);
+    let healed_ms = chrono::Utc::now().timestamp_millis();
     run.pass(1.5).await;
     let after = totals(&run, "us").since(&before).since(&during);
+    // Heal within a second (README guarantees): the first admit from a
+    // fresh lease, and no 429 (demand is below G: the pool always had tokens).
+    let answers = run.answers("us", healed_ms);
+    let first_lease = answers.iter().filter(|a| a.status == 200 && a.lease).map(|a| a.done_ms).min();
+    let unavailable = answers.iter().filter(|a| a.status == 503 && a.sent_ms >= healed_ms).count();
+    let denied = answers.iter().filter(|a| a.status == 429).count();
+    match first_lease {
+        Some(t) => run.check(
+            t - healed_ms <= HEAL_BOUND_MS,
+            format!(
+                "us admitted from a fresh lease {} ms after the heal (limit {HEAL_BOUND_MS} ms); {unavailable} requests sent after the heal were answered 503",
+                t - healed_ms
+            ),
+        ),
+        None => run.check(false, "us admitted nothing from a lease after the heal".to_string()),
+    }
+    run.check(denied == 0, format!("us answered {denied} 429s after the heal while the pool had tokens"));
     if strict {
         run.check(
             during.denied == 0,
