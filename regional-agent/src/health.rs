@@ -10,7 +10,6 @@ use axum::response::IntoResponse;
 use axum::routing::get;
 use axum::{Json, Router};
 use quota_shared::prom::Registry;
-use quota_shared::wire::FailMode;
 use serde_json::json;
 
 /// Routes of this module.
@@ -128,6 +127,7 @@ pub(crate) async fn metrics(State(app): State<AppState>) -> impl IntoResponse {
     app.metrics.set("agent_allocator_reachable", &[], if app.allocator_reachable() { 1.0 } else { 0.0 });
     app.metrics.set("agent_quotas", &[], app.quotas.len() as f64);
     app.metrics.set("agent_unknown_quota_names", &[], app.unknown.len() as f64);
+    crate::gauges::refresh(&app);
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], app.metrics.render())
 }
 
@@ -148,12 +148,7 @@ pub(crate) async fn status(State(app): State<AppState>) -> impl IntoResponse {
             let v = *q.view.lock().unwrap();
             let p = q.policy();
             let age = v.at.map(|t| t.elapsed().as_millis() as i64).unwrap_or(0);
-            let mode = match (reachable, p.map(|p| p.fail_mode)) {
-                (false, Some(FailMode::Strict)) => "strict",
-                (false, _) => "fallback",
-                (true, _) if v.exhausted_ms > 0 => "exhausted",
-                _ => "leased",
-            };
+            let mode = crate::gauges::mode(reachable, p, &v);
             json!({
                 "tenant": q.tenant,
                 "resource": q.resource,

@@ -73,6 +73,15 @@ impl Registry {
         fam.insert(key, v);
     }
 
+    /// Replaces every series of a gauge family at once: a family computed
+    /// afresh at each scrape (per-window or per-quota state) loses the
+    /// series of what it no longer covers instead of keeping their last
+    /// values forever. At most [`MAX_SERIES_PER_FAMILY`] series are kept.
+    pub fn set_family(&self, name: &'static str, series: Vec<(Vec<(&'static str, String)>, f64)>) {
+        let fam: BTreeMap<Labels, f64> = series.into_iter().take(MAX_SERIES_PER_FAMILY).collect();
+        self.inner.lock().unwrap().gauges.insert(name, fam);
+    }
+
     /// Records one observation (seconds) in a latency histogram.
     pub fn observe(&self, name: &'static str, labels: &[(&'static str, &str)], secs: f64) {
         let mut g = self.inner.lock().unwrap();
@@ -103,7 +112,7 @@ impl Registry {
                 let _ = writeln!(out, "{name}{} {v}", fmt_labels(labels, None));
             }
         }
-        for (name, series) in &g.gauges {
+        for (name, series) in g.gauges.iter().filter(|(_, s)| !s.is_empty()) {
             header(&mut out, name, "gauge");
             for (labels, v) in series {
                 let _ = writeln!(out, "{name}{} {v}", fmt_labels(labels, None));
@@ -160,6 +169,16 @@ mod tests {
         assert!(text.contains("lat_seconds_bucket{le=\"0.0005\"} 1"), "{text}");
         assert!(text.contains("lat_seconds_bucket{le=\"0.0001\"} 0"), "{text}");
         assert!(text.contains("lat_seconds_count 1"), "{text}");
+    }
+
+    #[test]
+    fn set_family_replaces_every_series() {
+        let r = Registry::default();
+        r.set_family("g", vec![(vec![("q", "a".to_string())], 1.0), (vec![("q", "b".to_string())], 2.0)]);
+        r.set_family("g", vec![(vec![("q", "b".to_string())], 3.0)]);
+        let text = r.render();
+        assert!(!text.contains("g{q=\"a\"}"), "{text}");
+        assert!(text.contains("g{q=\"b\"} 3"), "{text}");
     }
 
     #[test]
