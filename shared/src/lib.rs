@@ -7,7 +7,8 @@
 //! * [`wire`]: JSON bodies of the allocator's HTTP API, used by both sides.
 //! * [`bound`]: the overshoot bound of invariant I6.
 //! * [`clock`]: the one clock trait the services ask for "now".
-//! * [`prom`]: a small Prometheus text-format registry.
+//! * [`prom`]: the services' Prometheus registry, a facade over the
+//!   `metrics` crate's Prometheus exporter.
 //! * `telemetry` (feature `service`): logging set-up and the shutdown signal.
 //!
 //! Nothing here depends on axum, sqlx or redis, so the agent and the allocator
