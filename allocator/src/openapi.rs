@@ -32,7 +32,7 @@ use utoipa::{Modify, OpenApi};
         ui::quota,
         openapi_json,
     ),
-    modifiers(&BearerTokens),
+    modifiers(&BearerTokens, &BodyErrors),
     tags(
         (name = "agents", description = "Routes agents call with QUOTA_AGENT_TOKEN"),
         (name = "policies", description = "Policy writes and reads with QUOTA_ADMIN_TOKEN"),
@@ -54,6 +54,48 @@ impl Modify for BearerTokens {
                 SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()),
             );
         }
+    }
+}
+
+/// The answers every route with a JSON body gives before its handler runs
+/// (the extractor's, see `http::extract`), documented on each such route
+/// here, in one place, rather than on every handler.
+struct BodyErrors;
+
+impl Modify for BodyErrors {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        use utoipa::openapi::{ContentBuilder, Ref, ResponseBuilder};
+        const ANSWERS: [(&str, &str); 3] = [
+            ("400", "malformed_json: the body is not JSON"),
+            ("413", "payload_too_large: the body is over 64 KiB"),
+            ("415", "unsupported_media_type: the Content-Type is not application/json"),
+        ];
+        for item in openapi.paths.paths.values_mut() {
+            for op in [&mut item.post, &mut item.put, &mut item.patch].into_iter().flatten() {
+                if op.request_body.is_none() {
+                    continue;
+                }
+                for (code, description) in ANSWERS {
+                    op.responses.responses.entry(code.to_string()).or_insert_with(|| {
+                        ResponseBuilder::new()
+                            .description(description)
+                            .content(
+                                "application/json",
+                                ContentBuilder::new()
+                                    .schema(Some(Ref::from_schema_name("ErrorBody")))
+                                    .build(),
+                            )
+                            .build()
+                            .into()
+                    });
+                }
+            }
+        }
+        let components = openapi.components.get_or_insert_with(Default::default);
+        components
+            .schemas
+            .entry("ErrorBody".to_string())
+            .or_insert_with(<quota_shared::wire::ErrorBody as utoipa::PartialSchema>::schema);
     }
 }
 
