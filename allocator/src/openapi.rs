@@ -32,7 +32,7 @@ use utoipa::{Modify, OpenApi};
         ui::quota,
         openapi_json,
     ),
-    modifiers(&BearerTokens, &BodyErrors),
+    modifiers(&BearerTokens, &BodyErrors, &IdentifierPatterns, &RequestBounds),
     tags(
         (name = "agents", description = "Routes agents call with QUOTA_AGENT_TOKEN"),
         (name = "policies", description = "Policy writes and reads with QUOTA_ADMIN_TOKEN"),
@@ -99,6 +99,91 @@ impl Modify for BodyErrors {
     }
 }
 
+/// DESIGN §5's identifier rule on every parameter and schema property that
+/// names a tenant, resource, region or agent (what `check_id` enforces), so
+/// clients and fuzzers see the constraint the server applies.
+struct IdentifierPatterns;
+
+/// The identifier rule as a JSON Schema pattern.
+pub const ID_PATTERN: &str = "^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$";
+
+impl Modify for IdentifierPatterns {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        use utoipa::openapi::{RefOr, Schema};
+        const NAMES: [&str; 4] = ["tenant", "resource", "region", "agent"];
+        fn constrain(schema: &mut RefOr<Schema>) {
+            if let RefOr::T(Schema::Object(o)) = schema {
+                o.pattern = Some(ID_PATTERN.to_string());
+                o.max_length = Some(quota_shared::ids::MAX_ID_LEN);
+            }
+        }
+        for item in openapi.paths.paths.values_mut() {
+            let ops = [&mut item.get, &mut item.post, &mut item.put, &mut item.patch, &mut item.delete];
+            for op in ops.into_iter().flatten() {
+                for p in op.parameters.iter_mut().flatten() {
+                    if NAMES.contains(&p.name.as_str()) {
+                        if let Some(s) = p.schema.as_mut() {
+                            constrain(s);
+                        }
+                    }
+                }
+            }
+        }
+        if let Some(components) = openapi.components.as_mut() {
+            for schema in components.schemas.values_mut() {
+                if let RefOr::T(Schema::Object(o)) = schema {
+                    for (name, prop) in o.properties.iter_mut() {
+                        if NAMES.contains(&name.as_str()) {
+                            constrain(prop);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The numeric bounds the handlers enforce on request bodies (422 outside
+/// them), as `minimum`/`maximum` of the request schemas. Cross-field rules
+/// (`chunk_min ≤ chunk_max ≤ limit`, `lease_ttl_secs ≤ window_secs`,
+/// `window_secs` divides 86,400) stay in the descriptions and the 422s.
+struct RequestBounds;
+
+impl Modify for RequestBounds {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        use crate::http::extract::MAX_COUNT;
+        use utoipa::openapi::{RefOr, Schema};
+        use utoipa::Number;
+        let max = Number::Float(MAX_COUNT as f64);
+        let day = Number::Float(86_400.0);
+        let bounds: [(&str, &str, f64, &Number); 15] = [
+            ("PolicySpec", "limit", 1.0, &max),
+            ("PolicySpec", "window_secs", 1.0, &day),
+            ("PolicySpec", "chunk_min", 1.0, &max),
+            ("PolicySpec", "chunk_max", 1.0, &max),
+            ("PolicySpec", "lease_ttl_secs", 1.0, &day),
+            ("PolicySpec", "fallback_per_region", 0.0, &max),
+            ("GrantRequest", "epoch", 1.0, &max),
+            ("GrantRequest", "seq", 0.0, &max),
+            ("GrantRequest", "want", 1.0, &max),
+            ("GrantRequest", "demand_per_sec", 0.0, &Number::Float(crate::grants::MAX_DEMAND_PER_SEC)),
+            ("ReleaseRequest", "epoch", 1.0, &max),
+            ("ReleaseRequest", "unspent", 0.0, &max),
+            ("ReportRequest", "epoch", 1.0, &max),
+            ("ReportItem", "consumed", 0.0, &max),
+            ("ReportItem", "fallback_admitted", 0.0, &max),
+        ];
+        let Some(components) = openapi.components.as_mut() else { return };
+        for (schema, prop, min, max) in bounds {
+            let Some(RefOr::T(Schema::Object(o))) = components.schemas.get_mut(schema) else { continue };
+            if let Some(RefOr::T(Schema::Object(p))) = o.properties.get_mut(prop) {
+                p.minimum = Some(Number::Float(min));
+                p.maximum = Some(max.clone());
+            }
+        }
+    }
+}
+
 /// Routes of this module (public).
 pub fn router() -> Router<crate::AppState> {
     Router::new().route("/openapi.json", get(openapi_json))
@@ -113,4 +198,33 @@ pub fn router() -> Router<crate::AppState> {
 )]
 pub(crate) async fn openapi_json() -> Json<utoipa::openapi::OpenApi> {
     Json(ApiDoc::openapi())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn body_routes_document_the_extractor_answers_and_identifiers_their_pattern() {
+        let doc = serde_json::to_value(ApiDoc::openapi()).expect("json");
+        let grants = &doc["paths"]["/v1/grants"]["post"]["responses"];
+        for code in ["400", "413", "415"] {
+            assert!(grants[code].is_object(), "{code}: {grants}");
+        }
+        assert!(doc["paths"]["/v1/windows/{tenant}/{resource}"]["get"]["responses"]["415"].is_null());
+        let params =
+            doc["paths"]["/v1/windows/{tenant}/{resource}"]["get"]["parameters"].as_array().expect("params");
+        let tenant = params.iter().find(|p| p["name"] == "tenant").expect("tenant");
+        assert_eq!(tenant["schema"]["pattern"], ID_PATTERN, "{tenant}");
+        let grant = &doc["components"]["schemas"]["GrantRequest"]["properties"];
+        for name in ["tenant", "resource", "region", "agent"] {
+            assert_eq!(grant[name]["pattern"], ID_PATTERN, "{name}: {grant}");
+        }
+        assert!(grant["epoch"]["pattern"].is_null());
+        assert_eq!(grant["want"]["minimum"], 1.0, "{grant}");
+        assert_eq!(grant["want"]["maximum"], 1e12, "{grant}");
+        let spec = &doc["components"]["schemas"]["PolicySpec"]["properties"];
+        assert_eq!(spec["window_secs"]["maximum"], 86400.0, "{spec}");
+        assert_eq!(spec["fallback_per_region"]["minimum"], 0.0, "{spec}");
+    }
 }
