@@ -6,6 +6,7 @@
 use crate::{agents, explain, grants, health, leases, ledger, policies, reports, ui, windows};
 use axum::routing::get;
 use axum::{Json, Router};
+use quota_shared::openapi::IdentifierPatterns;
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::{Modify, OpenApi};
 
@@ -99,50 +100,6 @@ impl Modify for BodyErrors {
     }
 }
 
-/// DESIGN §5's identifier rule on every parameter and schema property that
-/// names a tenant, resource, region or agent (what `check_id` enforces), so
-/// clients and fuzzers see the constraint the server applies.
-struct IdentifierPatterns;
-
-/// The identifier rule as a JSON Schema pattern.
-pub const ID_PATTERN: &str = "^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$";
-
-impl Modify for IdentifierPatterns {
-    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
-        use utoipa::openapi::{RefOr, Schema};
-        const NAMES: [&str; 4] = ["tenant", "resource", "region", "agent"];
-        fn constrain(schema: &mut RefOr<Schema>) {
-            if let RefOr::T(Schema::Object(o)) = schema {
-                o.pattern = Some(ID_PATTERN.to_string());
-                o.max_length = Some(quota_shared::ids::MAX_ID_LEN);
-            }
-        }
-        for item in openapi.paths.paths.values_mut() {
-            let ops = [&mut item.get, &mut item.post, &mut item.put, &mut item.patch, &mut item.delete];
-            for op in ops.into_iter().flatten() {
-                for p in op.parameters.iter_mut().flatten() {
-                    if NAMES.contains(&p.name.as_str()) {
-                        if let Some(s) = p.schema.as_mut() {
-                            constrain(s);
-                        }
-                    }
-                }
-            }
-        }
-        if let Some(components) = openapi.components.as_mut() {
-            for schema in components.schemas.values_mut() {
-                if let RefOr::T(Schema::Object(o)) = schema {
-                    for (name, prop) in o.properties.iter_mut() {
-                        if NAMES.contains(&name.as_str()) {
-                            constrain(prop);
-                        }
-                    }
-                }
-            }
-        }
-    }
-}
-
 /// The numeric bounds the handlers enforce on request bodies (422 outside
 /// them), as `minimum`/`maximum` of the request schemas. Cross-field rules
 /// (`chunk_min ≤ chunk_max ≤ limit`, `lease_ttl_secs ≤ window_secs`,
@@ -215,10 +172,10 @@ mod tests {
         let params =
             doc["paths"]["/v1/windows/{tenant}/{resource}"]["get"]["parameters"].as_array().expect("params");
         let tenant = params.iter().find(|p| p["name"] == "tenant").expect("tenant");
-        assert_eq!(tenant["schema"]["pattern"], ID_PATTERN, "{tenant}");
+        assert_eq!(tenant["schema"]["pattern"], quota_shared::openapi::ID_PATTERN, "{tenant}");
         let grant = &doc["components"]["schemas"]["GrantRequest"]["properties"];
         for name in ["tenant", "resource", "region", "agent"] {
-            assert_eq!(grant[name]["pattern"], ID_PATTERN, "{name}: {grant}");
+            assert_eq!(grant[name]["pattern"], quota_shared::openapi::ID_PATTERN, "{name}: {grant}");
         }
         assert!(grant["epoch"]["pattern"].is_null());
         assert_eq!(grant["want"]["minimum"], 1.0, "{grant}");

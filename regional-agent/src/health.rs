@@ -9,6 +9,7 @@ use axum::http::{header, StatusCode};
 use axum::response::IntoResponse;
 use axum::routing::get;
 use axum::{Json, Router};
+use quota_shared::openapi::IdentifierPatterns;
 use quota_shared::prom::Registry;
 use serde_json::json;
 
@@ -29,7 +30,8 @@ pub fn router() -> Router<AppState> {
         title = "quota regional agent",
         description = "Admission decisions from leases spent in the region's Redis (DESIGN §5)."
     ),
-    paths(crate::spend::acquire, status, healthz, readyz, metrics, openapi_json)
+    paths(crate::spend::acquire, status, healthz, readyz, metrics, openapi_json),
+    modifiers(&IdentifierPatterns)
 )]
 pub struct ApiDoc;
 

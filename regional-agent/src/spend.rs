@@ -109,6 +109,8 @@ fn parse(body: std::result::Result<Bytes, BytesRejection>) -> Result<AcquireRequ
     responses(
         (status = 200, description = "Admitted: {allowed: true, source: lease|fallback, window_start, remaining}; carries RateLimit-Policy and RateLimit"),
         (status = 400, description = "Malformed JSON", body = quota_shared::wire::ErrorBody),
+        (status = 404, description = "unknown_quota: the allocator has no policy for it", body = quota_shared::wire::ErrorBody),
+        (status = 413, description = "payload_too_large: the body is over 64 KiB", body = quota_shared::wire::ErrorBody),
         (status = 422, description = "Invalid value; the message names the field", body = quota_shared::wire::ErrorBody),
         (status = 429, description = "quota_exhausted with retry_after_s and Retry-After"),
         (status = 503, description = "allocator_unreachable (strict mode) or store_unavailable, with Retry-After"),

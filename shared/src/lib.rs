@@ -9,6 +9,7 @@
 //! * [`clock`]: the one clock trait the services ask for "now".
 //! * [`prom`]: the services' Prometheus registry, a facade over the
 //!   `metrics` crate's Prometheus exporter.
+//! * `openapi` (feature `service`): what both OpenAPI documents share.
 //! * `telemetry` (feature `service`): logging set-up and the shutdown signal.
 //!
 //! Nothing here depends on axum, sqlx or redis, so the agent and the allocator
@@ -17,6 +18,8 @@
 pub mod bound;
 pub mod clock;
 pub mod ids;
+#[cfg(feature = "service")]
+pub mod openapi;
 pub mod prom;
 #[cfg(feature = "service")]
 pub mod telemetry;
