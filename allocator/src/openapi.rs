@@ -33,7 +33,7 @@ use utoipa::{Modify, OpenApi};
         ui::quota,
         openapi_json,
     ),
-    modifiers(&BearerTokens, &BodyErrors, &IdentifierPatterns, &RequestBounds),
+    modifiers(&BearerTokens, &CommonErrors, &IdentifierPatterns, &RequestBounds),
     tags(
         (name = "agents", description = "Routes agents call with QUOTA_AGENT_TOKEN"),
         (name = "policies", description = "Policy writes and reads with QUOTA_ADMIN_TOKEN"),
@@ -59,36 +59,44 @@ impl Modify for BearerTokens {
 }
 
 /// The answers every route with a JSON body gives before its handler runs
-/// (the extractor's, see `http::extract`), documented on each such route
-/// here, in one place, rather than on every handler.
-struct BodyErrors;
+/// (the extractor's, see `http::extract`), and the 503 of every route that
+/// needs PostgreSQL, documented here, in one place, rather than on every
+/// handler.
+struct CommonErrors;
 
-impl Modify for BodyErrors {
+impl Modify for CommonErrors {
     fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
-        use utoipa::openapi::{ContentBuilder, Ref, ResponseBuilder};
+        use utoipa::openapi::{ContentBuilder, Ref, RefOr, Response, ResponseBuilder};
         const ANSWERS: [(&str, &str); 3] = [
             ("400", "malformed_json: the body is not JSON"),
             ("413", "payload_too_large: the body is over 64 KiB"),
             ("415", "unsupported_media_type: the Content-Type is not application/json"),
         ];
-        for item in openapi.paths.paths.values_mut() {
-            for op in [&mut item.post, &mut item.put, &mut item.patch].into_iter().flatten() {
+        fn error(description: &str) -> RefOr<Response> {
+            ResponseBuilder::new()
+                .description(description)
+                .content(
+                    "application/json",
+                    ContentBuilder::new().schema(Some(Ref::from_schema_name("ErrorBody"))).build(),
+                )
+                .build()
+                .into()
+        }
+        for (path, item) in openapi.paths.paths.iter_mut() {
+            let ops = [&mut item.get, &mut item.post, &mut item.put, &mut item.patch, &mut item.delete];
+            for op in ops.into_iter().flatten() {
+                // Every /v1 route reads or writes PostgreSQL (Error::DatabaseUnavailable).
+                if path.starts_with("/v1/") {
+                    op.responses
+                        .responses
+                        .entry("503".to_string())
+                        .or_insert_with(|| error("database_unavailable: PostgreSQL does not answer"));
+                }
                 if op.request_body.is_none() {
                     continue;
                 }
                 for (code, description) in ANSWERS {
-                    op.responses.responses.entry(code.to_string()).or_insert_with(|| {
-                        ResponseBuilder::new()
-                            .description(description)
-                            .content(
-                                "application/json",
-                                ContentBuilder::new()
-                                    .schema(Some(Ref::from_schema_name("ErrorBody")))
-                                    .build(),
-                            )
-                            .build()
-                            .into()
-                    });
+                    op.responses.responses.entry(code.to_string()).or_insert_with(|| error(description));
                 }
             }
         }
@@ -169,6 +177,8 @@ mod tests {
             assert!(grants[code].is_object(), "{code}: {grants}");
         }
         assert!(doc["paths"]["/v1/windows/{tenant}/{resource}"]["get"]["responses"]["415"].is_null());
+        assert!(doc["paths"]["/v1/windows/{tenant}/{resource}"]["get"]["responses"]["503"].is_object());
+        assert!(doc["paths"]["/healthz"]["get"]["responses"]["503"].is_null());
         let params =
             doc["paths"]["/v1/windows/{tenant}/{resource}"]["get"]["parameters"].as_array().expect("params");
         let tenant = params.iter().find(|p| p["name"] == "tenant").expect("tenant");
