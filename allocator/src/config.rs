@@ -43,6 +43,12 @@ pub struct Config {
     #[arg(long, env = "ALLOCATOR_WINDOW_RETENTION_HOURS", default_value_t = 2160)]
     pub window_retention_hours: u64,
 
+    /// How many quotas `/metrics` shows per-window gauges for
+    /// (`allocator_window_*`: the open and the previous window of the
+    /// quotas with the most tokens granted in them); 0 turns them off.
+    #[arg(long, env = "ALLOCATOR_WINDOW_METRICS_QUOTAS", default_value_t = 20)]
+    pub window_metrics_quotas: u32,
+
     /// Rows per retention delete statement.
     #[arg(long, env = "ALLOCATOR_RETENTION_BATCH", default_value_t = 5000)]
     pub retention_batch: i64,

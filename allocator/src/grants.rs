@@ -31,7 +31,7 @@ pub fn router() -> Router<AppState> {
 }
 
 /// Largest demand accepted, tokens per second.
-const MAX_DEMAND_PER_SEC: f64 = 1e12;
+pub(crate) const MAX_DEMAND_PER_SEC: f64 = 1e12;
 
 /// The longest `retry_after_ms` suggested when a pool is empty.
 const MAX_RETRY_AFTER_MS: i64 = 60_000;

@@ -49,5 +49,9 @@ pub(crate) async fn metrics(State(state): State<AppState>) -> impl IntoResponse 
     let pool = &state.db;
     state.metrics.set("allocator_db_connections", &[("state", "idle")], pool.num_idle() as f64);
     state.metrics.set("allocator_db_connections", &[("state", "open")], pool.size() as f64);
+    if let Err(e) = crate::window_metrics::refresh(&state).await {
+        // The families keep their last values; the scrape still answers.
+        tracing::warn!(error = %e, "per-window metrics not refreshed");
+    }
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], state.metrics.render())
 }

@@ -16,6 +16,8 @@
 //! * [`leases`]: releases and lease reads.
 //! * [`reports`]: consumption and fallback reports, exactly once (I7).
 //! * [`windows`]: per-window accounting with the overshoot bound (I6).
+//! * [`window_metrics`]: the open and previous windows of the busiest
+//!   quotas as gauges for alerts (bounded cardinality).
 //! * [`ledger`]: the append-only event log.
 //! * [`explain`]: why admission looked the way it did for a region.
 //! * [`retention`]: the background deletion of everything beyond a horizon.
@@ -45,6 +47,7 @@ pub mod telemetry;
 pub mod time;
 pub mod tls;
 pub mod ui;
+pub mod window_metrics;
 pub mod windows;
 
 use quota_shared::clock::{Clock, OffsetClock, SystemClock};
@@ -83,6 +86,9 @@ pub struct AppState {
     pub report_horizon: Option<chrono::Duration>,
     /// Prometheus series.
     pub metrics: Arc<Registry>,
+    /// Quotas whose open and previous windows `/metrics` shows
+    /// (`--window-metrics-quotas`; 0: none).
+    pub window_metrics_quotas: i64,
     /// Bearer tokens; `None` leaves that class of routes open (loopback only).
     pub auth: http::auth::Tokens,
 }
@@ -96,6 +102,7 @@ impl AppState {
             db_clock: time::DbClock::database(),
             report_horizon: Some(retention::hours(DEFAULT_RETENTION_HOURS)),
             metrics: Arc::new(http::metrics::registry()),
+            window_metrics_quotas: window_metrics::DEFAULT_QUOTAS,
             auth: http::auth::Tokens::default(),
         }
     }
@@ -213,6 +220,7 @@ pub async fn serve(config: config::Config) -> Result<(), String> {
     let listener = TcpListener::bind(addr).await.map_err(|e| format!("cannot listen on {addr}: {e}"))?;
     let mut state = AppState::new(db);
     state.auth = tokens;
+    state.window_metrics_quotas = i64::from(config.window_metrics_quotas);
     state.report_horizon = (config.retention_hours > 0).then(|| retention::hours(config.retention_hours));
     if config.test_clock_offset_ms != 0 {
         tracing::warn!(

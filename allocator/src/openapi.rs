@@ -6,6 +6,7 @@
 use crate::{agents, explain, grants, health, leases, ledger, policies, reports, ui, windows};
 use axum::routing::get;
 use axum::{Json, Router};
+use quota_shared::openapi::IdentifierPatterns;
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::{Modify, OpenApi};
 
@@ -32,7 +33,7 @@ use utoipa::{Modify, OpenApi};
         ui::quota,
         openapi_json,
     ),
-    modifiers(&BearerTokens),
+    modifiers(&BearerTokens, &CommonErrors, &IdentifierPatterns, &RequestBounds),
     tags(
         (name = "agents", description = "Routes agents call with QUOTA_AGENT_TOKEN"),
         (name = "policies", description = "Policy writes and reads with QUOTA_ADMIN_TOKEN"),
@@ -57,6 +58,97 @@ impl Modify for BearerTokens {
     }
 }
 
+/// The answers every route with a JSON body gives before its handler runs
+/// (the extractor's, see `http::extract`), and the 503 of every route that
+/// needs PostgreSQL, documented here, in one place, rather than on every
+/// handler.
+struct CommonErrors;
+
+impl Modify for CommonErrors {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        use utoipa::openapi::{ContentBuilder, Ref, RefOr, Response, ResponseBuilder};
+        const ANSWERS: [(&str, &str); 3] = [
+            ("400", "malformed_json: the body is not JSON"),
+            ("413", "payload_too_large: the body is over 64 KiB"),
+            ("415", "unsupported_media_type: the Content-Type is not application/json"),
+        ];
+        fn error(description: &str) -> RefOr<Response> {
+            ResponseBuilder::new()
+                .description(description)
+                .content(
+                    "application/json",
+                    ContentBuilder::new().schema(Some(Ref::from_schema_name("ErrorBody"))).build(),
+                )
+                .build()
+                .into()
+        }
+        for (path, item) in openapi.paths.paths.iter_mut() {
+            let ops = [&mut item.get, &mut item.post, &mut item.put, &mut item.patch, &mut item.delete];
+            for op in ops.into_iter().flatten() {
+                // Every /v1 route reads or writes PostgreSQL (Error::DatabaseUnavailable).
+                if path.starts_with("/v1/") {
+                    op.responses
+                        .responses
+                        .entry("503".to_string())
+                        .or_insert_with(|| error("database_unavailable: PostgreSQL does not answer"));
+                }
+                if op.request_body.is_none() {
+                    continue;
+                }
+                for (code, description) in ANSWERS {
+                    op.responses.responses.entry(code.to_string()).or_insert_with(|| error(description));
+                }
+            }
+        }
+        let components = openapi.components.get_or_insert_with(Default::default);
+        components
+            .schemas
+            .entry("ErrorBody".to_string())
+            .or_insert_with(<quota_shared::wire::ErrorBody as utoipa::PartialSchema>::schema);
+    }
+}
+
+/// The numeric bounds the handlers enforce on request bodies (422 outside
+/// them), as `minimum`/`maximum` of the request schemas. Cross-field rules
+/// (`chunk_min ≤ chunk_max ≤ limit`, `lease_ttl_secs ≤ window_secs`,
+/// `window_secs` divides 86,400) stay in the descriptions and the 422s.
+struct RequestBounds;
+
+impl Modify for RequestBounds {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        use crate::http::extract::MAX_COUNT;
+        use utoipa::openapi::{RefOr, Schema};
+        use utoipa::Number;
+        let max = Number::Float(MAX_COUNT as f64);
+        let day = Number::Float(86_400.0);
+        let bounds: [(&str, &str, f64, &Number); 15] = [
+            ("PolicySpec", "limit", 1.0, &max),
+            ("PolicySpec", "window_secs", 1.0, &day),
+            ("PolicySpec", "chunk_min", 1.0, &max),
+            ("PolicySpec", "chunk_max", 1.0, &max),
+            ("PolicySpec", "lease_ttl_secs", 1.0, &day),
+            ("PolicySpec", "fallback_per_region", 0.0, &max),
+            ("GrantRequest", "epoch", 1.0, &max),
+            ("GrantRequest", "seq", 0.0, &max),
+            ("GrantRequest", "want", 1.0, &max),
+            ("GrantRequest", "demand_per_sec", 0.0, &Number::Float(crate::grants::MAX_DEMAND_PER_SEC)),
+            ("ReleaseRequest", "epoch", 1.0, &max),
+            ("ReleaseRequest", "unspent", 0.0, &max),
+            ("ReportRequest", "epoch", 1.0, &max),
+            ("ReportItem", "consumed", 0.0, &max),
+            ("ReportItem", "fallback_admitted", 0.0, &max),
+        ];
+        let Some(components) = openapi.components.as_mut() else { return };
+        for (schema, prop, min, max) in bounds {
+            let Some(RefOr::T(Schema::Object(o))) = components.schemas.get_mut(schema) else { continue };
+            if let Some(RefOr::T(Schema::Object(p))) = o.properties.get_mut(prop) {
+                p.minimum = Some(Number::Float(min));
+                p.maximum = Some(max.clone());
+            }
+        }
+    }
+}
+
 /// Routes of this module (public).
 pub fn router() -> Router<crate::AppState> {
     Router::new().route("/openapi.json", get(openapi_json))
@@ -71,4 +163,35 @@ pub fn router() -> Router<crate::AppState> {
 )]
 pub(crate) async fn openapi_json() -> Json<utoipa::openapi::OpenApi> {
     Json(ApiDoc::openapi())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn body_routes_document_the_extractor_answers_and_identifiers_their_pattern() {
+        let doc = serde_json::to_value(ApiDoc::openapi()).expect("json");
+        let grants = &doc["paths"]["/v1/grants"]["post"]["responses"];
+        for code in ["400", "413", "415"] {
+            assert!(grants[code].is_object(), "{code}: {grants}");
+        }
+        assert!(doc["paths"]["/v1/windows/{tenant}/{resource}"]["get"]["responses"]["415"].is_null());
+        assert!(doc["paths"]["/v1/windows/{tenant}/{resource}"]["get"]["responses"]["503"].is_object());
+        assert!(doc["paths"]["/healthz"]["get"]["responses"]["503"].is_null());
+        let params =
+            doc["paths"]["/v1/windows/{tenant}/{resource}"]["get"]["parameters"].as_array().expect("params");
+        let tenant = params.iter().find(|p| p["name"] == "tenant").expect("tenant");
+        assert_eq!(tenant["schema"]["pattern"], quota_shared::openapi::ID_PATTERN, "{tenant}");
+        let grant = &doc["components"]["schemas"]["GrantRequest"]["properties"];
+        for name in ["tenant", "resource", "region", "agent"] {
+            assert_eq!(grant[name]["pattern"], quota_shared::openapi::ID_PATTERN, "{name}: {grant}");
+        }
+        assert!(grant["epoch"]["pattern"].is_null());
+        assert_eq!(grant["want"]["minimum"], 1.0, "{grant}");
+        assert_eq!(grant["want"]["maximum"], 1e12, "{grant}");
+        let spec = &doc["components"]["schemas"]["PolicySpec"]["properties"];
+        assert_eq!(spec["window_secs"]["maximum"], 86400.0, "{spec}");
+        assert_eq!(spec["fallback_per_region"]["minimum"], 0.0, "{spec}");
+    }
 }

@@ -9,8 +9,8 @@ use axum::http::{header, StatusCode};
 use axum::response::IntoResponse;
 use axum::routing::get;
 use axum::{Json, Router};
+use quota_shared::openapi::IdentifierPatterns;
 use quota_shared::prom::Registry;
-use quota_shared::wire::FailMode;
 use serde_json::json;
 
 /// Routes of this module.
@@ -30,7 +30,8 @@ pub fn router() -> Router<AppState> {
         title = "quota regional agent",
         description = "Admission decisions from leases spent in the region's Redis (DESIGN §5)."
     ),
-    paths(crate::spend::acquire, status, healthz, readyz, metrics, openapi_json)
+    paths(crate::spend::acquire, status, healthz, readyz, metrics, openapi_json),
+    modifiers(&IdentifierPatterns)
 )]
 pub struct ApiDoc;
 
@@ -140,6 +141,7 @@ pub(crate) async fn metrics(State(app): State<AppState>) -> impl IntoResponse {
     if let Ok((n, _)) = crate::outbox::dead_letters(&app, 0).await {
         app.metrics.set("agent_outbox_dead_letters", &[], n as f64);
     }
+    crate::gauges::refresh(&app);
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], app.metrics.render())
 }
 
@@ -160,12 +162,7 @@ pub(crate) async fn status(State(app): State<AppState>) -> impl IntoResponse {
             let v = *q.view.lock().unwrap();
             let p = q.policy();
             let age = v.at.map(|t| t.elapsed().as_millis() as i64).unwrap_or(0);
-            let mode = match (reachable, p.map(|p| p.fail_mode)) {
-                (false, Some(FailMode::Strict)) => "strict",
-                (false, _) => "fallback",
-                (true, _) if v.exhausted_ms > 0 => "exhausted",
-                _ => "leased",
-            };
+            let mode = crate::gauges::mode(reachable, p, &v);
             json!({
                 "tenant": q.tenant,
                 "resource": q.resource,

@@ -16,6 +16,8 @@
 //!   after a failover.
 //! * [`guard`]: the eviction policy check (admit only from a `noeviction`
 //!   Redis).
+//! * [`gauges`]: per-quota mode and policy version, identity and clock
+//!   offset, computed at each scrape of `/metrics`.
 //! * [`client`], [`breaker`]: the allocator client with timeouts, capped
 //!   exponential backoff with jitter and a circuit breaker.
 //! * [`epoch`]: registration, epochs and fences (I4).
@@ -135,6 +137,7 @@ pub mod config;
 pub mod epoch;
 pub mod error;
 pub mod fallback;
+pub mod gauges;
 pub mod guard;
 pub mod health;
 pub mod keys;
@@ -217,6 +220,7 @@ impl App {
         let metrics = Registry::default();
         health::describe(&metrics);
         guard::describe(&metrics);
+        gauges::describe(&metrics);
         let clock: Arc<dyn Clock> = match settings.test_clock_offset_ms {
             0 => Arc::new(SystemClock),
             ms => {
@@ -253,6 +257,14 @@ impl App {
     /// allocator's instant when it answered, `arrived` when the answer came).
     pub fn observe_allocator_time(&self, at: chrono::DateTime<chrono::Utc>, arrived: std::time::Instant) {
         *self.alloc_time.lock().unwrap() = Some((at, arrived));
+    }
+
+    /// The allocator's clock minus this host's (the agent's own clock), as
+    /// the last grant answer showed it; `None` before the first answer.
+    /// Only for operators: no decision reads it.
+    pub fn allocator_clock_offset(&self) -> Option<chrono::Duration> {
+        let known = self.alloc_time.lock().unwrap().is_some();
+        known.then(|| self.allocator_now() - self.clock.now_utc())
     }
 
     /// The allocator's clock now, extrapolated with the monotonic clock from

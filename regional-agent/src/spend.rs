@@ -111,6 +111,8 @@ fn parse(body: std::result::Result<Bytes, BytesRejection>) -> Result<AcquireRequ
     responses(
         (status = 200, description = "Admitted: {allowed: true, source: lease|fallback, window_start, remaining}; carries RateLimit-Policy and RateLimit"),
         (status = 400, description = "Malformed JSON", body = quota_shared::wire::ErrorBody),
+        (status = 404, description = "unknown_quota: the allocator has no policy for it", body = quota_shared::wire::ErrorBody),
+        (status = 413, description = "payload_too_large: the body is over 64 KiB", body = quota_shared::wire::ErrorBody),
         (status = 422, description = "Invalid value; the message names the field", body = quota_shared::wire::ErrorBody),
         (status = 409, description = "request_id_mismatch: the request_id was first used with another resource or cost (tenant-wide, until its window ends)", body = quota_shared::wire::ErrorBody),
         (status = 429, description = "quota_exhausted with retry_after_s and Retry-After: only when the allocator said the pool is empty"),
@@ -151,6 +153,7 @@ pub(crate) async fn acquire(
     };
     rate_limit_headers(resp.headers_mut(), &name, policy, remaining, now);
     app.metrics.inc("agent_acquire_total", &[("outcome", outcome)]);
+    crate::gauges::count_refusal(&app.metrics, &name, policy.is_some(), outcome);
     app.metrics.observe("agent_acquire_seconds", &[], started.elapsed().as_secs_f64());
     resp
 }

@@ -7,7 +7,9 @@
 //! * [`wire`]: JSON bodies of the allocator's HTTP API, used by both sides.
 //! * [`bound`]: the overshoot bound of invariant I6.
 //! * [`clock`]: the one clock trait the services ask for "now".
-//! * [`prom`]: a small Prometheus text-format registry.
+//! * [`prom`]: the services' Prometheus registry, a facade over the
+//!   `metrics` crate's Prometheus exporter.
+//! * `openapi` (feature `service`): what both OpenAPI documents share.
 //! * `telemetry` (feature `service`): logging set-up and the shutdown signal.
 //!
 //! Nothing here depends on axum, sqlx or redis, so the agent and the allocator
@@ -16,6 +18,8 @@
 pub mod bound;
 pub mod clock;
 pub mod ids;
+#[cfg(feature = "service")]
+pub mod openapi;
 pub mod prom;
 #[cfg(feature = "service")]
 pub mod telemetry;

@@ -1,10 +1,27 @@
-//! A small Prometheus text-format registry: counters and histograms keyed by
-//! a fixed label set. Both services expose a handful of series, so a full
-//! metrics stack would be more code than it saves.
+//! The services' Prometheus registry: a small facade (`describe`, `inc`,
+//! `inc_by`, `set`, `set_family`, `observe`, `render`) over the `metrics`
+//! crate's Prometheus exporter, which stores the series and renders the
+//! text exposition format 0.0.4 (what Prometheus scrapes and what
+//! `promtool check metrics` lints: a `# HELP` and `# TYPE` line per family
+//! under the family's own name, counters included).
+//!
+//! Each registry owns its recorders (no global recorder), so several
+//! services can run in one test process. Two recorders:
+//!
+//! * `kept`: counters, histograms and gauges set one by one; a series lives
+//!   as long as the process;
+//! * `scraped`: families rebuilt at each scrape ([`Registry::set_family`]);
+//!   a series not set again for [`FAMILY_IDLE`] is dropped at the next
+//!   render (the exporter's idle timeout on gauges), so a quota that leaves
+//!   a top-N list leaves its series instead of keeping stale values.
 
-use std::collections::BTreeMap;
-use std::fmt::Write as _;
+use metrics::{Key, Label, Level, Metadata, Recorder, SharedString};
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle, PrometheusRecorder};
+use metrics_util::MetricKindMask;
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
+use std::time::Duration;
 
 /// Latency buckets in seconds, from 100 µs to 10 s.
 pub const LATENCY_BUCKETS: &[f64] =
@@ -14,50 +31,86 @@ pub const LATENCY_BUCKETS: &[f64] =
 /// fold into `other` so a stream of distinct labels cannot grow memory.
 pub const MAX_SERIES_PER_FAMILY: usize = 1024;
 
+/// Histogram observations between two upkeeps of the exporter (which moves
+/// recorded samples into the buckets; a render does it too, so a process
+/// that is never scraped still holds a bounded number of samples).
+const UPKEEP_EVERY: u64 = 4096;
+
+/// How long a series of a [`Registry::set_family`] family outlives its last
+/// setting. Not zero: two scrapes close together (two Prometheus servers)
+/// must both see the families the first one set; short against any scrape
+/// interval, so a series that left the family is gone at the next scrape.
+pub const FAMILY_IDLE: Duration = Duration::from_secs(5);
+
+static METADATA: Metadata<'static> = Metadata::new(module_path!(), Level::INFO, Some(module_path!()));
+
 type Labels = Vec<(&'static str, String)>;
 
-#[derive(Default)]
-struct Histogram {
-    counts: Vec<u64>,
-    sum: f64,
-    count: u64,
-}
-
-#[derive(Default)]
-struct Families {
-    help: BTreeMap<&'static str, (&'static str, &'static str)>,
-    counters: BTreeMap<&'static str, BTreeMap<Labels, f64>>,
-    gauges: BTreeMap<&'static str, BTreeMap<Labels, f64>>,
-    histograms: BTreeMap<&'static str, BTreeMap<Labels, Histogram>>,
-}
-
-/// A registry of metric families. A std `Mutex` is enough: every update is a
-/// few map operations and is never held across an await.
-#[derive(Default)]
+/// A registry of metric families (see the module doc).
 pub struct Registry {
-    inner: Mutex<Families>,
+    kept: PrometheusRecorder,
+    kept_handle: PrometheusHandle,
+    scraped: PrometheusRecorder,
+    scraped_handle: PrometheusHandle,
+    /// Label sets seen per family, for [`MAX_SERIES_PER_FAMILY`]. A std
+    /// `Mutex` is enough: a few set operations, never held across an await.
+    seen: Mutex<HashMap<&'static str, HashSet<Labels>>>,
+    observations: AtomicU64,
 }
 
-fn bounded_key<V>(map: &BTreeMap<Labels, V>, labels: &[(&'static str, &str)]) -> Labels {
-    let key: Labels = labels.iter().map(|(k, v)| (*k, v.to_string())).collect();
-    if map.len() >= MAX_SERIES_PER_FAMILY && !map.contains_key(&key) {
-        return labels.iter().map(|(k, _)| (*k, "other".to_string())).collect();
+impl Default for Registry {
+    fn default() -> Self {
+        Registry::new(FAMILY_IDLE)
     }
-    key
 }
 
 impl Registry {
-    /// Declares a family's help text and type (`counter`, `gauge`, `histogram`).
-    pub fn describe(&self, name: &'static str, kind: &'static str, help: &'static str) {
-        self.inner.lock().unwrap().help.insert(name, (kind, help));
+    fn new(family_idle: Duration) -> Self {
+        let builder = || PrometheusBuilder::new().set_buckets(LATENCY_BUCKETS).expect("non-empty buckets");
+        let kept = builder().build_recorder();
+        let scraped = builder().idle_timeout(MetricKindMask::GAUGE, Some(family_idle)).build_recorder();
+        Registry {
+            kept_handle: kept.handle(),
+            kept,
+            scraped_handle: scraped.handle(),
+            scraped,
+            seen: Mutex::new(HashMap::new()),
+            observations: AtomicU64::new(0),
+        }
     }
 
-    /// Adds `v` to a counter.
+    /// Declares a family's help text and type (`counter`, `gauge`, `histogram`).
+    pub fn describe(&self, name: &'static str, kind: &'static str, help: &'static str) {
+        let help = SharedString::const_str(help);
+        for r in [&self.kept, &self.scraped] {
+            match kind {
+                "counter" => r.describe_counter(name.into(), None, help.clone()),
+                "histogram" => r.describe_histogram(name.into(), None, help.clone()),
+                _ => r.describe_gauge(name.into(), None, help.clone()),
+            }
+        }
+    }
+
+    /// The exporter's key of a series, with labels folded into `other` once
+    /// the family has [`MAX_SERIES_PER_FAMILY`] label sets.
+    fn key(&self, name: &'static str, labels: &[(&'static str, &str)]) -> Key {
+        let set: Labels = labels.iter().map(|(k, v)| (*k, v.to_string())).collect();
+        let mut seen = self.seen.lock().unwrap();
+        let fam = seen.entry(name).or_default();
+        let set = if fam.contains(&set) || fam.len() < MAX_SERIES_PER_FAMILY {
+            fam.insert(set.clone());
+            set
+        } else {
+            labels.iter().map(|(k, _)| (*k, "other".to_string())).collect()
+        };
+        Key::from_parts(name, set.into_iter().map(|(k, v)| Label::new(k, v)).collect::<Vec<_>>())
+    }
+
+    /// Adds `v` (a whole, non-negative number) to a counter; 0 makes the
+    /// series appear at 0.
     pub fn inc_by(&self, name: &'static str, labels: &[(&'static str, &str)], v: f64) {
-        let mut g = self.inner.lock().unwrap();
-        let fam = g.counters.entry(name).or_default();
-        let key = bounded_key(fam, labels);
-        *fam.entry(key).or_default() += v;
+        let counter = self.kept.register_counter(&self.key(name, labels), &METADATA);
+        counter.increment(v.max(0.0).round() as u64);
     }
 
     /// Adds 1 to a counter.
@@ -67,79 +120,35 @@ impl Registry {
 
     /// Sets a gauge.
     pub fn set(&self, name: &'static str, labels: &[(&'static str, &str)], v: f64) {
-        let mut g = self.inner.lock().unwrap();
-        let fam = g.gauges.entry(name).or_default();
-        let key = bounded_key(fam, labels);
-        fam.insert(key, v);
+        self.kept.register_gauge(&self.key(name, labels), &METADATA).set(v);
+    }
+
+    /// Replaces every series of a gauge family at once: a family computed
+    /// afresh at each scrape (per-window or per-quota state) loses the
+    /// series of what it no longer covers at the next render instead of
+    /// keeping their last values forever. At most [`MAX_SERIES_PER_FAMILY`]
+    /// series are kept.
+    pub fn set_family(&self, name: &'static str, series: Vec<(Vec<(&'static str, String)>, f64)>) {
+        for (labels, v) in series.into_iter().take(MAX_SERIES_PER_FAMILY) {
+            let key =
+                Key::from_parts(name, labels.into_iter().map(|(k, v)| Label::new(k, v)).collect::<Vec<_>>());
+            self.scraped.register_gauge(&key, &METADATA).set(v);
+        }
     }
 
     /// Records one observation (seconds) in a latency histogram.
     pub fn observe(&self, name: &'static str, labels: &[(&'static str, &str)], secs: f64) {
-        let mut g = self.inner.lock().unwrap();
-        let fam = g.histograms.entry(name).or_default();
-        let key = bounded_key(fam, labels);
-        let h = fam.entry(key).or_default();
-        if h.counts.is_empty() {
-            h.counts = vec![0; LATENCY_BUCKETS.len()];
+        self.kept.register_histogram(&self.key(name, labels), &METADATA).record(secs);
+        if self.observations.fetch_add(1, Ordering::Relaxed) % UPKEEP_EVERY == UPKEEP_EVERY - 1 {
+            self.kept_handle.run_upkeep();
         }
-        if let Some(i) = LATENCY_BUCKETS.iter().position(|b| secs <= *b) {
-            h.counts[i] += 1;
-        }
-        h.sum += secs;
-        h.count += 1;
     }
 
     /// The whole registry in Prometheus text exposition format 0.0.4.
     pub fn render(&self) -> String {
-        let g = self.inner.lock().unwrap();
-        let mut out = String::new();
-        let header = |out: &mut String, name: &str, default_kind: &str| {
-            let (kind, help) = g.help.get(name).copied().unwrap_or((default_kind, ""));
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
-        };
-        for (name, series) in &g.counters {
-            header(&mut out, name, "counter");
-            for (labels, v) in series {
-                let _ = writeln!(out, "{name}{} {v}", fmt_labels(labels, None));
-            }
-        }
-        for (name, series) in &g.gauges {
-            header(&mut out, name, "gauge");
-            for (labels, v) in series {
-                let _ = writeln!(out, "{name}{} {v}", fmt_labels(labels, None));
-            }
-        }
-        for (name, series) in &g.histograms {
-            header(&mut out, name, "histogram");
-            for (labels, h) in series {
-                let mut cum = 0;
-                for (b, c) in LATENCY_BUCKETS.iter().zip(&h.counts) {
-                    cum += c;
-                    let _ = writeln!(out, "{name}_bucket{} {cum}", fmt_labels(labels, Some(&b.to_string())));
-                }
-                let _ = writeln!(out, "{name}_bucket{} {}", fmt_labels(labels, Some("+Inf")), h.count);
-                let _ = writeln!(out, "{name}_sum{} {}", fmt_labels(labels, None), h.sum);
-                let _ = writeln!(out, "{name}_count{} {}", fmt_labels(labels, None), h.count);
-            }
-        }
+        let mut out = self.kept_handle.render();
+        out.push_str(&self.scraped_handle.render());
         out
-    }
-}
-
-fn fmt_labels(labels: &Labels, le: Option<&str>) -> String {
-    let mut parts: Vec<String> = labels
-        .iter()
-        .map(|(k, v)| {
-            format!("{k}=\"{}\"", v.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n"))
-        })
-        .collect();
-    if let Some(le) = le {
-        parts.push(format!("le=\"{le}\""));
-    }
-    if parts.is_empty() {
-        String::new()
-    } else {
-        format!("{{{}}}", parts.join(","))
     }
 }
 
@@ -151,15 +160,42 @@ mod tests {
     fn renders_counters_and_histograms() {
         let r = Registry::default();
         r.describe("grants_total", "counter", "Grants by outcome");
+        r.describe("lat_seconds", "histogram", "Latency");
         r.inc("grants_total", &[("outcome", "granted")]);
         r.inc("grants_total", &[("outcome", "granted")]);
         r.observe("lat_seconds", &[], 0.0003);
         let text = r.render();
+        assert!(text.contains("# HELP grants_total Grants by outcome"), "{text}");
         assert!(text.contains("# TYPE grants_total counter"), "{text}");
         assert!(text.contains("grants_total{outcome=\"granted\"} 2"), "{text}");
+        assert!(text.contains("# TYPE lat_seconds histogram"), "{text}");
         assert!(text.contains("lat_seconds_bucket{le=\"0.0005\"} 1"), "{text}");
         assert!(text.contains("lat_seconds_bucket{le=\"0.0001\"} 0"), "{text}");
         assert!(text.contains("lat_seconds_count 1"), "{text}");
+    }
+
+    #[test]
+    fn set_family_replaces_every_series() {
+        // No grace period: the series left out is gone at the very next render.
+        let r = Registry::new(Duration::ZERO);
+        r.describe("g", "gauge", "A family");
+        r.set_family("g", vec![(vec![("q", "a".to_string())], 1.0), (vec![("q", "b".to_string())], 2.0)]);
+        let first = r.render();
+        assert!(first.contains("g{q=\"a\"} 1"), "{first}");
+        r.set_family("g", vec![(vec![("q", "b".to_string())], 3.0)]);
+        let text = r.render();
+        assert!(!text.contains("g{q=\"a\"}"), "{text}");
+        assert!(text.contains("g{q=\"b\"} 3"), "{text}");
+    }
+
+    #[test]
+    fn a_family_survives_two_scrapes_close_together() {
+        let r = Registry::default();
+        r.describe("g", "gauge", "A family");
+        r.set_family("g", vec![(vec![("q", "a".to_string())], 1.0)]);
+        let first = r.render();
+        let second = r.render();
+        assert!(first.contains("g{q=\"a\"} 1") && second.contains("g{q=\"a\"} 1"), "{first}\n{second}");
     }
 
     #[test]

@@ -36,6 +36,8 @@ pub struct Options {
     /// Serve HTTPS from these files (`--tls-cert`, `--tls-key`,
     /// `--tls-client-ca`); the base URL is then `https://localhost:PORT`.
     pub tls: Option<allocator::tls::TlsFiles>,
+    /// `--window-metrics-quotas` (default 20).
+    pub window_metrics_quotas: Option<i64>,
 }
 
 impl TestAllocator {
@@ -58,6 +60,9 @@ impl TestAllocator {
             .agent_tokens_file
             .as_deref()
             .map(|p| allocator::http::agent_tokens::AgentTokens::load(p).expect("agent tokens file"));
+        if let Some(n) = opts.window_metrics_quotas {
+            state.window_metrics_quotas = n;
+        }
         state.auth =
             allocator::http::auth::Tokens { agent: opts.agent_token, admin: opts.admin_token, regions };
         let tls = opts.tls.map(|f| allocator::tls::ServerTls::load(f).expect("TLS files"));

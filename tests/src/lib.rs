@@ -12,6 +12,7 @@
 //! * [`redis_cluster`]: an ephemeral local 3-master Redis Cluster per test.
 //! * [`sentinel`]: an ephemeral primary, replica and Sentinel per test.
 //! * [`procs`]: child processes that die with the test, also on panic.
+//! * [`promtool`]: Prometheus' checker for rules, rule tests and scrapes.
 //! * [`app`]: the allocator started in process on a free port.
 //! * [`http`]: a JSON client that returns status, headers and body.
 //! * [`wait`]: polling a condition with a deadline instead of sleeping.
@@ -23,6 +24,7 @@ pub mod fixtures;
 pub mod http;
 pub mod pg;
 pub mod procs;
+pub mod promtool;
 pub mod redis;
 pub mod redis_cluster;
 pub mod sentinel;

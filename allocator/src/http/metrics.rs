@@ -20,6 +20,8 @@ pub fn registry() -> Registry {
         "histogram",
         "Grant handling latency, including retries of a raced key",
     );
+    r.describe("allocator_db_connections", "gauge", "PostgreSQL pool connections by state (open, idle)");
+    crate::window_metrics::describe(&r);
     r
 }
 

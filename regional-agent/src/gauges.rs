@@ -1,0 +1,151 @@
+//! Gauges computed at each scrape of `/metrics` for alerts and dashboards:
+//! who this agent is (`agent_info{region, agent}`, to join the other series
+//! on a region), each quota's mode and the policy version it enforces, and
+//! the offset of this host's clock against the allocator's; and the
+//! per-quota count of 429 and 503 answers (`agent_quota_refusals_total`).
+//!
+//! The per-quota families are rebuilt whole at every scrape, so a quota
+//! that leaves the agent's registry (idle for five minutes) leaves them too;
+//! their size follows the registry's (see [`crate::quotas`]).
+
+use crate::quotas::{PolicyInfo, View};
+use crate::AppState;
+use quota_shared::prom::Registry;
+use quota_shared::wire::FailMode;
+
+/// Every mode a quota can be in, as `GET /v1/status` names it.
+pub const MODES: [&str; 4] = ["leased", "fallback", "strict", "exhausted"];
+
+/// A quota's mode: `strict` or `fallback` while the allocator is
+/// unreachable (by its fail mode), `exhausted` while the pool is empty,
+/// else `leased`.
+pub fn mode(reachable: bool, policy: Option<PolicyInfo>, view: &View) -> &'static str {
+    match (reachable, policy.map(|p| p.fail_mode)) {
+        (false, Some(FailMode::Strict)) => "strict",
+        (false, _) => "fallback",
+        (true, _) if view.exhausted_ms > 0 => "exhausted",
+        _ => "leased",
+    }
+}
+
+/// Answers of `POST /v1/acquire` counted per quota by
+/// [`count_refusal`]: the 429 and the 503s.
+pub const REFUSALS: [&str; 3] = ["quota_exhausted", "allocator_unreachable", "store_unavailable"];
+
+/// Counters without labels that start at 0, so that `increase()` sees their
+/// first event (a series that appears at 1 shows no increase).
+const ZERO_AT_START: [&str; 5] = [
+    "agent_fallback_admits_total",
+    "agent_redis_rollbacks_total",
+    "agent_outbox_sent_total",
+    "agent_outbox_dead_letters_total",
+    "agent_spend_runs_total",
+];
+
+/// Counts a refusal of a quota whose policy the agent knows (so a stream
+/// of unknown names never makes a series: the family follows the quota
+/// registry).
+pub fn count_refusal(m: &Registry, quota: &str, policy_known: bool, outcome: &str) {
+    if let Some(code) = REFUSALS.iter().find(|c| **c == outcome).filter(|_| policy_known) {
+        m.inc("agent_quota_refusals_total", &[("quota", quota), ("code", code)]);
+    }
+}
+
+/// Declares the families of this module and starts the label-less
+/// counters at 0.
+pub fn describe(m: &Registry) {
+    for name in ZERO_AT_START {
+        m.inc_by(name, &[], 0.0);
+    }
+    m.describe(
+        "agent_quota_refusals_total",
+        "counter",
+        "Acquires answered 429 quota_exhausted or 503 (allocator_unreachable, store_unavailable), per quota with a known policy",
+    );
+    m.describe(
+        "agent_info",
+        "gauge",
+        "Always 1; its labels name the agent's region and id (join on instance)",
+    );
+    m.describe(
+        "agent_quota_mode",
+        "gauge",
+        "1 for the mode each quota is in (leased, fallback, strict, exhausted), 0 for the others",
+    );
+    m.describe("agent_policy_version", "gauge", "The policy version this agent enforces, per quota");
+    m.describe(
+        "agent_allocator_clock_offset_seconds",
+        "gauge",
+        "The allocator's clock minus this host's, read off the last grant answer (windows never use this host's clock; a large offset points at a broken NTP)",
+    );
+}
+
+type Series = Vec<(Vec<(&'static str, String)>, f64)>;
+
+/// Rebuilds the families (called by `GET /metrics`).
+pub fn refresh(app: &AppState) {
+    let m = &app.metrics;
+    m.set_family(
+        "agent_info",
+        vec![(vec![("region", app.settings.region.clone()), ("agent", app.settings.agent.clone())], 1.0)],
+    );
+    let reachable = app.allocator_reachable();
+    let (mut modes, mut versions): (Series, Series) = Default::default();
+    for q in app.quotas.all() {
+        let quota = format!("{}/{}", q.tenant, q.resource);
+        let policy = q.policy();
+        let now = mode(reachable, policy, &q.view.lock().unwrap());
+        for md in MODES {
+            modes.push((
+                vec![("quota", quota.clone()), ("mode", md.to_string())],
+                f64::from(u8::from(md == now)),
+            ));
+        }
+        if let Some(p) = policy {
+            versions.push((vec![("quota", quota)], p.version as f64));
+        }
+    }
+    m.set_family("agent_quota_mode", modes);
+    m.set_family("agent_policy_version", versions);
+    if let Some(off) = app.allocator_clock_offset() {
+        m.set("agent_allocator_clock_offset_seconds", &[], off.num_milliseconds() as f64 / 1000.0);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn refusals_are_counted_per_known_quota_only() {
+        let m = Registry::default();
+        count_refusal(&m, "atlas/read", true, "quota_exhausted");
+        count_refusal(&m, "atlas/read", true, "lease");
+        count_refusal(&m, "nosuch/quota", false, "store_unavailable");
+        let text = m.render();
+        assert!(
+            text.contains("agent_quota_refusals_total{quota=\"atlas/read\",code=\"quota_exhausted\"} 1"),
+            "{text}"
+        );
+        assert!(!text.contains("nosuch"), "{text}");
+        assert!(!text.contains("code=\"lease\""), "{text}");
+    }
+
+    #[test]
+    fn mode_follows_reachability_fail_mode_and_exhaustion() {
+        let p = |fail_mode| PolicyInfo {
+            limit: 1,
+            window_secs: 60,
+            fail_mode,
+            fallback_allowance: 0,
+            version: 1,
+        };
+        let idle = View::default();
+        let empty = View { exhausted_ms: 500, ..View::default() };
+        assert_eq!(mode(true, Some(p(FailMode::Bounded)), &idle), "leased");
+        assert_eq!(mode(true, Some(p(FailMode::Bounded)), &empty), "exhausted");
+        assert_eq!(mode(false, Some(p(FailMode::Bounded)), &empty), "fallback");
+        assert_eq!(mode(false, Some(p(FailMode::Strict)), &idle), "strict");
+        assert_eq!(mode(false, None, &idle), "fallback");
+    }
+}
