@@ -4,7 +4,13 @@ use clap::{Parser, Subcommand};
 use std::process::ExitCode;
 
 #[derive(Parser)]
-#[command(name = "quota-lab", about = "Local stack for the quota allocator: demo, chaos suite, benchmarks")]
+#[command(
+    name = "quota-lab",
+    about = "Local stack for the quota allocator: demo, chaos suite, benchmarks",
+    after_help = "On a fresh Debian or Ubuntu machine, `quota-lab demo` installs PostgreSQL and redis-server \
+                  with apt-get when they are missing (as root or with passwordless sudo; it asks first, \
+                  --yes skips the question); `quota-lab demo --help` says more."
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -13,6 +19,14 @@ struct Cli {
 #[derive(Subcommand)]
 enum Cmd {
     /// Runs the whole system locally with traffic, a partition and a summary.
+    ///
+    /// Needs PostgreSQL (initdb, pg_ctl, postgres) and redis-server, or
+    /// DATABASE_URL / REDIS_URL naming running servers, or a Docker engine.
+    /// When a server is missing, the demo installs it with `apt-get update`
+    /// and `apt-get install -y --no-install-recommends postgresql
+    /// redis-server` as root or with passwordless sudo, after asking on the
+    /// terminal (--yes installs without asking); otherwise it prints the
+    /// exact command to run and exits with status 2.
     Demo(chaos::demo::DemoArgs),
     /// Runs the chaos scenarios and checks the overshoot bound.
     Chaos(chaos::scenarios::ChaosArgs),
