@@ -96,14 +96,16 @@ pub fn command_line(missing: &[&str], sudo: bool) -> String {
 pub fn refusal_message(missing: &[&str], sudo: bool, why: Refusal) -> String {
     let reason = match why {
         Refusal::NoPrivilege => "not root and no passwordless sudo, so the lab does not install them itself",
-        Refusal::NoAptGet => "no apt-get on this machine (the lab installs only on Debian or Ubuntu)",
+        Refusal::NoAptGet => {
+            "no apt-get on this machine: the lab installs only with apt-get, on Debian or Ubuntu"
+        }
         Refusal::NotAsked => "standard input is not a terminal to ask on, and --yes was not given",
         Refusal::Declined => "not installing them, as answered",
     };
     let how = match why {
         Refusal::NoAptGet => format!(
-            "install PostgreSQL (initdb, pg_ctl, postgres) and redis-server with this system's package \
-             manager; on Debian or Ubuntu that is:\n    {}",
+            "install {} with this system's package manager; on Debian or Ubuntu that is:\n    {}",
+            missing.join(" and "),
             command_line(missing, sudo)
         ),
         _ => format!("run:\n    {}\n  then `cargo lab demo` again", command_line(missing, sudo)),
@@ -213,9 +215,9 @@ pub fn ensure_servers(yes: bool) -> Result<(), String> {
     let still = missing_packages();
     if !still.is_empty() {
         return Err(format!(
-            "installed {}, but still no {} server found",
+            "apt-get installed {}, but the lab still cannot find the server of: {}",
             missing.join(" "),
-            still.join(" or ")
+            still.join(" ")
         ));
     }
     eprintln!("lab: installed {}", missing.join(" "));
@@ -247,12 +249,15 @@ mod tests {
         Machine { is_root, passwordless_sudo, apt_get, stdin_tty }
     }
 
+    /// (missing, root, passwordless sudo, apt-get, tty, --yes, decision)
+    type Case = (&'static [&'static str], bool, bool, bool, bool, bool, Decision);
+
     #[test]
     fn decision_table() {
         use Decision::*;
         use Refusal::*;
         // (missing, root, passwordless sudo, apt-get, tty, --yes) → decision
-        let cases: &[(&[&str], bool, bool, bool, bool, bool, Decision)] = &[
+        let cases: &[Case] = &[
             // Nothing missing: nothing to do, whatever the machine.
             (&[], false, false, false, false, false, Nothing),
             (&[], true, false, true, true, true, Nothing),
