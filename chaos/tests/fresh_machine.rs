@@ -209,3 +209,15 @@ fn root_on_a_terminal_asks_and_installs_on_yes_only() {
     assert!(tty.contains(" with apt-get? [y/N]"), "{tty}");
     assert_installed(&log, &tty);
 }
+
+#[test]
+fn help_tells_how_the_servers_get_installed() {
+    let out = Command::new(env!("CARGO_BIN_EXE_quota-lab")).args(["demo", "--help"]).output().expect("run");
+    let help = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{help}");
+    for want in
+        ["--yes", "apt-get install", "-y --no-install-recommends", "passwordless sudo", "exact command"]
+    {
+        assert!(help.contains(want), "`quota-lab demo --help` lacks {want:?}:\n{help}");
+    }
+}
