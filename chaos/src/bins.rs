@@ -63,31 +63,8 @@ pub fn locate() -> Result<Bins, String> {
 }
 
 /// What the lab needs from the machine that cargo cannot build: a
-/// PostgreSQL and a Redis server (local binaries, env URLs or Docker).
+/// PostgreSQL and a Redis server (local binaries, env URLs or Docker);
+/// `Err` names the missing packages and the command that installs them.
 pub fn check_servers() -> Result<(), String> {
-    use quota_tests::procs::{docker_available, find_binary};
-    let pg_dirs: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
-        .map(|rd| rd.filter_map(|e| e.ok()).map(|e| e.path().join("bin")).collect())
-        .unwrap_or_default();
-    let have_pg = std::env::var_os("DATABASE_URL").is_some() || find_binary("initdb", &pg_dirs).is_some();
-    let have_redis = std::env::var_os("REDIS_URL").is_some() || find_binary("redis-server", &[]).is_some();
-    if have_pg && have_redis {
-        return Ok(());
-    }
-    if docker_available() {
-        return Ok(());
-    }
-    let mut missing = Vec::new();
-    if !have_pg {
-        missing.push("postgresql");
-    }
-    if !have_redis {
-        missing.push("redis-server");
-    }
-    Err(format!(
-        "no {} server found and no Docker engine answers.\n  install: sudo apt-get install -y {}\n  \
-         or point DATABASE_URL / REDIS_URL at running servers",
-        missing.join(" or "),
-        missing.join(" ")
-    ))
+    crate::install::check_servers()
 }

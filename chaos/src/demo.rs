@@ -6,10 +6,14 @@
 //! (eu 90/s, us 30/s: demand above G, so the pool is shared by demand).
 //! Part way through, `us` loses the allocator (a blackhole) and heals, so
 //! its fallback admits and the bound `G + Σ fallback` show in the summary.
+//!
+//! Before anything starts, a missing PostgreSQL or redis-server is
+//! installed with apt-get where the lab may (see [`crate::install`]).
 
 use crate::accounts;
 use crate::bins;
 use crate::chart;
+use crate::install;
 use crate::proxy::Fault;
 use crate::report::{self, WindowRow};
 use crate::stack::{Stack, StackSpec};
@@ -27,6 +31,10 @@ pub struct DemoArgs {
     /// Where the SVG chart is written (default `target/demo/windows.svg`).
     #[arg(long)]
     pub chart: Option<std::path::PathBuf>,
+    /// When PostgreSQL or redis-server is missing, install it with apt-get
+    /// without asking (as root or with passwordless sudo).
+    #[arg(long)]
+    pub yes: bool,
 }
 
 const TENANT: &str = "atlas";
@@ -39,7 +47,7 @@ const CUT_REGION: &str = "us";
 /// Runs the demo; `Ok(false)` when a window broke its bound or the
 /// allocator's count differs from the clients'.
 pub async fn run(args: DemoArgs) -> Result<bool, String> {
-    bins::check_servers()?;
+    install::ensure_servers(args.yes)?;
     let bins = bins::ensure()?;
     let spec = StackSpec {
         regions: vec![("eu".into(), 2), ("us".into(), 1)],

@@ -5,6 +5,7 @@
 //! with a fault proxy on every link.
 //!
 //! * [`bins`]: building and finding the service binaries, checking servers.
+//! * [`install`]: PostgreSQL and Redis servers: found, installed with apt-get, or the command printed.
 //! * [`proxy`]: the fault proxy (pass, blackhole, refuse, latency, lost replies).
 //! * [`stack`]: starting and stopping the whole stack.
 //! * [`traffic`]: client processes' ground truth: 200s, 429s and 503s per window.
@@ -20,6 +21,7 @@ pub mod bench;
 pub mod bins;
 pub mod chart;
 pub mod demo;
+pub mod install;
 pub mod proxy;
 pub mod report;
 pub mod scenarios;

@@ -4,7 +4,13 @@ use clap::{Parser, Subcommand};
 use std::process::ExitCode;
 
 #[derive(Parser)]
-#[command(name = "quota-lab", about = "Local stack for the quota allocator: demo, chaos suite, benchmarks")]
+#[command(
+    name = "quota-lab",
+    about = "Local stack for the quota allocator: demo, chaos suite, benchmarks",
+    after_help = "On a fresh Debian or Ubuntu machine, `quota-lab demo` installs a missing PostgreSQL or \
+                  redis-server with apt-get as root or with passwordless sudo (it asks on a terminal; --yes \
+                  skips the question), else prints the command to run; `quota-lab demo --help` says more."
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -13,6 +19,16 @@ struct Cli {
 #[derive(Subcommand)]
 enum Cmd {
     /// Runs the whole system locally with traffic, a partition and a summary.
+    ///
+    /// Needs PostgreSQL (initdb, pg_ctl, postgres) and redis-server, or
+    /// DATABASE_URL / REDIS_URL naming running servers, or a Docker engine.
+    /// When a server is missing, the demo installs the missing packages
+    /// (postgresql, redis-server) with `apt-get update` and `apt-get install
+    /// -y --no-install-recommends` as root or with passwordless sudo, after
+    /// asking on the terminal (--yes installs without asking); otherwise (no
+    /// root or passwordless sudo, no apt-get, no terminal and no --yes, or
+    /// the answer no) it prints the exact command to run and exits with
+    /// status 2.
     Demo(chaos::demo::DemoArgs),
     /// Runs the chaos scenarios and checks the overshoot bound.
     Chaos(chaos::scenarios::ChaosArgs),
