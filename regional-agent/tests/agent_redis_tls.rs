@@ -16,6 +16,7 @@ use common::{acquire, bin};
 use quota_tests::agent::{AgentOpts, AgentProc};
 use quota_tests::fixtures::{put_policy, Stack};
 use quota_tests::redis::TestRedis;
+use quota_tests::redis_cluster::TestRedisCluster;
 use quota_tests::sentinel::{TestSentinel, MASTER_NAME};
 use quota_tests::tls::{write, Ca, Leaf, ServerFiles};
 use serde_json::json;
@@ -81,6 +82,32 @@ async fn agent_admits_from_leases_in_a_redis_reached_over_tls() {
     assert!(status["redis_error"].is_null(), "{status}");
     // The agent's state is in that server, reached through its TLS port.
     assert!(dbsize(redis.port()) > 0, "no keys in the TLS Redis");
+}
+
+/// Redis Cluster over TLS: the agent is given the nodes' `rediss://`
+/// list, follows the slots the nodes announce (their TLS ports) and
+/// admits from leases kept in the cluster.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agent_admits_from_a_redis_cluster_reached_over_tls() {
+    let dir = tempfile::tempdir().expect("dir");
+    let ca = Ca::new("redis root");
+    let files = ServerFiles::write(dir.path(), "node", &ca.server("node", 1), &ca);
+    let cluster = tokio::task::spawn_blocking(move || TestRedisCluster::start_tls(&files))
+        .await
+        .expect("cluster start");
+    let stack = Stack::start().await;
+    lease_policy(&stack).await;
+    let url = cluster.tls_url.clone().expect("TLS cluster");
+    assert_eq!(url.split(',').count(), 3, "{url}");
+    let env = vec![("AGENT_REDIS_CA_FILE", file(dir.path(), "ca.pem", &ca.cert_pem))];
+    let agent = AgentProc::spawn(bin(), opts(&stack, &url, env)).await;
+    for _ in 0..3 {
+        let r = acquire(&agent.http, "atlas", "read").await.expect(200);
+        assert_eq!(r.body["source"], "lease", "{}", r.body);
+    }
+    let sizes = cluster.dbsizes();
+    assert!(sizes.iter().sum::<u64>() > 0, "no keys in the cluster: {sizes:?}");
+    assert_eq!(agent.http.get_status("/readyz").await, Some(200));
 }
 
 /// `--tls-auth-clients yes`: the agent with `--redis-client-cert` admits;
