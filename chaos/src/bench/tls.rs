@@ -11,7 +11,8 @@
 //!   one database, one quota per agent (no row lock shared, so the figure
 //!   is the link and not lock waits).
 //!
-//! Clients keep their connections alive, as the agent does, so a handshake
+//! Which side runs first alternates per repetition. Clients keep their
+//! connections alive, as the agent does, so a handshake
 //! is paid once per connection; the figures are the steady state's cost of
 //! encryption.
 
@@ -123,6 +124,24 @@ async fn tls_allocator(rig: &Rig, tls: &LabTls) -> Result<TlsAllocator, String> 
     Ok(TlsAllocator { http, _child: child })
 }
 
+/// Runs `plain` and `tls` one after the other, `tls` first when
+/// `tls_first`; answers `(plain, tls)`.
+async fn pair<P, T, FP, FT>(tls_first: bool, plain: P, tls: T) -> Result<(Sample, Sample), String>
+where
+    P: Fn() -> FP,
+    T: Fn() -> FT,
+    FP: std::future::Future<Output = Result<Sample, String>>,
+    FT: std::future::Future<Output = Result<Sample, String>>,
+{
+    if tls_first {
+        let t = tls().await?;
+        Ok((plain().await?, t))
+    } else {
+        let p = plain().await?;
+        Ok((p, tls().await?))
+    }
+}
+
 /// Records `plain` and `tls` medians under `{prefix}.{plain_name|tls_name}`
 /// and the TLS / plain throughput ratio.
 fn record(
@@ -194,19 +213,33 @@ pub async fn run(rig: &Rig, plan: &Plan, out: &mut Results, progress: &dyn Fn(&s
     let (mut a_plain, mut a_tls, mut a_ratio) = (Vec::new(), Vec::new(), Vec::new());
     let (mut g_plain, mut g_tls, mut g_ratio) = (Vec::new(), Vec::new(), Vec::new());
     for rep in 0..plan.reps {
-        progress(&format!("tls: decisions, redis:// then rediss://, repetition {}/{}", rep + 1, plan.reps));
-        let p = closed_loop(CLIENTS, plan.acquire, acquire_op(http.clone(), &plain_agent.base)).await?;
-        let t = closed_loop(CLIENTS, plan.acquire, acquire_op(http.clone(), &tls_agent.base)).await?;
+        // Which side goes first alternates: the first run after a pause
+        // meets colder caches and connection pools, and the machine's load
+        // drifts; a fixed order would charge that to one side.
+        let tls_first = rep % 2 == 1;
+        progress(&format!("tls: decisions, redis:// and rediss://, repetition {}/{}", rep + 1, plan.reps));
+        let plain_op = acquire_op(http.clone(), &plain_agent.base);
+        let tls_op = acquire_op(http.clone(), &tls_agent.base);
+        let (p, t) = pair(
+            tls_first,
+            || closed_loop(CLIENTS, plan.acquire, plain_op.clone()),
+            || closed_loop(CLIENTS, plan.acquire, tls_op.clone()),
+        )
+        .await?;
         a_ratio.push(t.per_s / p.per_s.max(f64::MIN_POSITIVE));
         a_plain.push(p);
         a_tls.push(t);
 
-        progress(&format!("tls: grants, http then https, repetition {}/{}", rep + 1, plan.reps));
+        progress(&format!("tls: grants, http and https, repetition {}/{}", rep + 1, plan.reps));
         // Fresh agent names per run, so `seq` may restart at 1.
-        let agents = register(&plain_http, &format!("tlsh{rep}")).await?;
-        let p = closed_loop(CLIENTS, plan.grants, grant_op(plain_http.clone(), agents)).await?;
-        let agents = register(&https.http, &format!("tlss{rep}")).await?;
-        let t = closed_loop(CLIENTS, plan.grants, grant_op(https.http.clone(), agents)).await?;
+        let plain_op = grant_op(plain_http.clone(), register(&plain_http, &format!("tlsh{rep}")).await?);
+        let tls_op = grant_op(https.http.clone(), register(&https.http, &format!("tlss{rep}")).await?);
+        let (p, t) = pair(
+            tls_first,
+            || closed_loop(CLIENTS, plan.grants, plain_op.clone()),
+            || closed_loop(CLIENTS, plan.grants, tls_op.clone()),
+        )
+        .await?;
         g_ratio.push(t.per_s / p.per_s.max(f64::MIN_POSITIVE));
         g_plain.push(p);
         g_tls.push(t);
