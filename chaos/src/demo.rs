@@ -9,6 +9,12 @@
 //!
 //! Before anything starts, a missing PostgreSQL or redis-server is
 //! installed with apt-get where the lab may (see [`crate::install`]).
+//!
+//! With `--tls` every agent link runs over TLS with a CA made for this run
+//! ([`crate::tls`]): agents call the allocator over HTTPS with client
+//! certificates naming their region (mTLS), and reach their Redis over
+//! `rediss://` with client certificates too; the output says so and shows
+//! each agent's view of both links.
 
 use crate::accounts;
 use crate::bins;
@@ -35,6 +41,11 @@ pub struct DemoArgs {
     /// without asking (as root or with passwordless sudo).
     #[arg(long)]
     pub yes: bool,
+
+    /// Run every agent link over TLS with a throwaway CA: agent → allocator
+    /// over HTTPS with client certificates (mTLS), agent → Redis over rediss://.
+    #[arg(long)]
+    pub tls: bool,
 }
 
 const TENANT: &str = "atlas";
@@ -55,7 +66,23 @@ pub async fn run(args: DemoArgs) -> Result<bool, String> {
         agent_env: Vec::new(),
         sentinel_regions: Vec::new(),
     };
-    let stack = Stack::start(bins, &spec, &|m| eprintln!("demo: {m}")).await?;
+    let say = |m: &str| eprintln!("demo: {m}");
+    let stack = if args.tls {
+        say("generating a throwaway CA and certificates (rcgen)");
+        let tls = crate::tls::LabTls::generate()?;
+        Stack::start_tls(bins, &spec, tls, &say).await?
+    } else {
+        Stack::start(bins, &spec, &say).await?
+    };
+    if let Some(tls) = &stack.tls {
+        println!("tls: every link over TLS with a throwaway CA (files in {})", tls.dir().display());
+        println!("tls:   agent -> allocator: https with mutual TLS (client certificate per region, SAN region:<r>)");
+        println!("tls:   agent -> Redis: rediss:// (Redis requires client certificates)");
+        if let Err(e) = links_over_tls(&stack).await {
+            stack.shutdown().await;
+            return Err(e);
+        }
+    }
     let result = drive(&stack, &args).await;
     eprintln!("demo: stopping everything it started");
     stack.shutdown().await;
@@ -74,7 +101,13 @@ async fn drive(stack: &Stack, args: &DemoArgs) -> Result<bool, String> {
     println!(
         "policy {TENANT}/{RESOURCE}: {LIMIT} per {WINDOW_SECS} s, fallback {FALLBACK} per region, bounded"
     );
-    println!("allocator: {}  (dashboard: {}/ui)", stack.admin.base, stack.admin.base);
+    if stack.tls.is_some() {
+        // The allocator requires a client certificate of the run's CA, so
+        // a browser cannot open the dashboard without one.
+        println!("allocator: {}  (mTLS: clients need a certificate of the throwaway CA)", stack.admin.base);
+    } else {
+        println!("allocator: {}  (dashboard: {}/ui)", stack.admin.base, stack.admin.base);
+    }
     println!("live: per region, this window's admitted (ok), of them fallback (fb), 429s, 503s, lease tokens left, mode");
     for (region, urls) in stack.agent_urls() {
         println!("region {region}: agents {}", urls.join(", "));
@@ -146,6 +179,28 @@ async fn drive(stack: &Stack, args: &DemoArgs) -> Result<bool, String> {
         println!("every window held its bound, and the allocator's ledger equals what clients saw");
     }
     Ok(failed.is_empty())
+}
+
+/// Checks and shows that each agent reaches both its links over TLS: its
+/// URLs are https:// and rediss://, and its status shows no link error.
+async fn links_over_tls(stack: &Stack) -> Result<(), String> {
+    for r in &stack.regions {
+        for a in &r.agents {
+            let s = a.http.get("/v1/status").await.body;
+            let secure = a.opts.allocator.starts_with("https://") && a.opts.redis.starts_with("rediss://");
+            if !secure || !s["allocator_error"].is_null() || !s["redis_error"].is_null() {
+                return Err(format!(
+                    "agent {} is not on TLS links: allocator {} ({}), Redis {} ({})",
+                    a.opts.agent, a.opts.allocator, s["allocator_error"], a.opts.redis, s["redis_error"]
+                ));
+            }
+            println!(
+                "tls:   agent {}: allocator {} ok, Redis {} ok",
+                a.opts.agent, a.opts.allocator, a.opts.redis
+            );
+        }
+    }
+    Ok(())
 }
 
 async fn live_line(stack: &Stack, traffic: &Traffic, t: u64) -> String {

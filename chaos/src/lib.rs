@@ -8,6 +8,7 @@
 //! * [`install`]: PostgreSQL and Redis servers: found, installed with apt-get, or the command printed.
 //! * [`proxy`]: the fault proxy (pass, blackhole, refuse, latency, lost replies).
 //! * [`stack`]: starting and stopping the whole stack.
+//! * [`tls`]: the throwaway CA and certificates of `--tls` runs.
 //! * [`traffic`]: client processes' ground truth: 200s, 429s and 503s per window.
 //! * [`accounts`]: the allocator's window accounting, read over HTTP.
 //! * [`report`]: per-window tables as text, Markdown and JSON.
@@ -26,4 +27,5 @@ pub mod proxy;
 pub mod report;
 pub mod scenarios;
 pub mod stack;
+pub mod tls;
 pub mod traffic;

@@ -12,11 +12,19 @@
 //! the primary through the Sentinel (no fault proxy on that link: the
 //! Sentinel hands out the servers' real addresses).
 //!
+//! With [`Stack::start_tls`] every agent link runs over TLS with a
+//! throwaway CA ([`crate::tls`]): agent → allocator over HTTPS with client
+//! certificates (mTLS, the allocator requires them), agent → Redis over
+//! `rediss://` (Redis requires client certificates too). The fault proxies
+//! forward TCP, so they carry the TLS bytes unchanged. Sentinel regions
+//! stay plain.
+//!
 //! Everything started here stops when the [`Stack`] is dropped: processes
 //! are killed, data directories removed.
 
 use crate::bins::Bins;
 use crate::proxy::FaultProxy;
+use crate::tls::LabTls;
 use quota_tests::agent::{AgentOpts, AgentProc};
 use quota_tests::http::Http;
 use quota_tests::pg::TestDb;
@@ -60,6 +68,11 @@ pub struct AllocatorProc {
     log: PathBuf,
     child: Option<Child>,
     starts: u32,
+    /// Extra environment (the TLS files).
+    env: Vec<(String, String)>,
+    /// The client `ready` probes with (HTTPS with a client certificate
+    /// when the allocator serves TLS).
+    probe: Http,
 }
 
 impl AllocatorProc {
@@ -68,7 +81,8 @@ impl AllocatorProc {
         let mut cmd = Command::new(&self.bin);
         cmd.env("DATABASE_URL", &self.database_url)
             .env("ALLOCATOR_LISTEN", &self.addr)
-            .env("RUST_LOG", std::env::var("ALLOCATOR_LOG").unwrap_or_else(|_| "warn".into()));
+            .env("RUST_LOG", std::env::var("ALLOCATOR_LOG").unwrap_or_else(|_| "warn".into()))
+            .envs(self.env.iter().map(|(k, v)| (k, v)));
         let log = self.log.with_extension(format!("{}.log", self.starts));
         self.child =
             Some(Child::spawn("allocator", cmd, &log, None).map_err(|e| format!("spawn allocator: {e}"))?);
@@ -77,7 +91,7 @@ impl AllocatorProc {
 
     /// Waits until `/readyz` answers 200.
     pub async fn ready(&self, timeout: Duration) -> Result<(), String> {
-        let http = Http::new(&format!("http://{}", self.addr));
+        let http = self.probe.clone();
         let deadline = tokio::time::Instant::now() + timeout;
         while tokio::time::Instant::now() < deadline {
             if http.get_status("/readyz").await == Some(200) {
@@ -135,12 +149,41 @@ pub struct Stack {
     pub api_link: FaultProxy,
     pub admin: Http,
     pub regions: Vec<Region>,
+    /// The throwaway PKI when every link runs over TLS.
+    pub tls: Option<LabTls>,
     dir: tempfile::TempDir,
 }
 
 impl Stack {
     /// Starts everything in `spec`; `progress` is told about each step.
     pub async fn start(bins: Bins, spec: &StackSpec, progress: &dyn Fn(&str)) -> Result<Stack, String> {
+        Self::start_inner(bins, spec, None, progress).await
+    }
+
+    /// Starts everything in `spec` with every agent link over TLS (see the
+    /// module doc) with the certificates of `tls`.
+    pub async fn start_tls(
+        bins: Bins,
+        spec: &StackSpec,
+        tls: LabTls,
+        progress: &dyn Fn(&str),
+    ) -> Result<Stack, String> {
+        Self::start_inner(bins, spec, Some(tls), progress).await
+    }
+
+    async fn start_inner(
+        bins: Bins,
+        spec: &StackSpec,
+        tls: Option<LabTls>,
+        progress: &dyn Fn(&str),
+    ) -> Result<Stack, String> {
+        let scheme = if tls.is_some() { "https" } else { "http" };
+        // An HTTP client for `addr` on the allocator side: with TLS, the
+        // operator's certificate (the allocator requires one).
+        let http_for = |addr: &str| match &tls {
+            Some(t) => t.operator(&format!("https://{addr}")),
+            None => Http::new(&format!("http://{addr}")),
+        };
         let dir = tempfile::Builder::new().prefix("quota-lab-").tempdir().map_err(|e| e.to_string())?;
         progress("starting PostgreSQL");
         let db = TestDb::start().await;
@@ -149,13 +192,16 @@ impl Stack {
         let database_url = db.url.replacen(&pg_addr, &pg_link.addr, 1);
         let mut allocators = Vec::new();
         for i in 0..spec.allocators.max(1) {
+            let addr = format!("127.0.0.1:{}", quota_tests::free_port());
             let mut a = AllocatorProc {
-                addr: format!("127.0.0.1:{}", quota_tests::free_port()),
+                probe: http_for(&addr),
+                addr,
                 bin: bins.allocator.clone(),
                 database_url: database_url.clone(),
                 log: dir.path().join(format!("allocator-{i}")),
                 child: None,
                 starts: 0,
+                env: tls.as_ref().map(LabTls::allocator_env).unwrap_or_default(),
             };
             progress(&format!("starting allocator {} on {}", i + 1, a.addr));
             a.start()?;
@@ -164,12 +210,19 @@ impl Stack {
         }
         let upstreams: Vec<String> = allocators.iter().map(|a| a.addr.clone()).collect();
         let api_link = FaultProxy::start(upstreams.clone()).await.map_err(|e| e.to_string())?;
-        let admin = Http::new(&api_link.http_url());
+        let admin = http_for(&api_link.addr);
         let mut regions = Vec::new();
         for (name, replicas) in &spec.regions {
             progress(&format!("starting Redis and {replicas} agent(s) of region {name}"));
-            let redis = TestRedis::start();
-            let redis_addr = redis.url.trim_start_matches("redis://").to_string();
+            let redis = match &tls {
+                // Client certificates required, as the agents present theirs.
+                Some(t) => TestRedis::start_tls(&t.server, true, &[]),
+                None => TestRedis::start(),
+            };
+            let redis_addr = match &tls {
+                Some(_) => redis.tls_url().trim_start_matches("rediss://").to_string(),
+                None => redis.url.trim_start_matches("redis://").to_string(),
+            };
             let redis_link = FaultProxy::start(vec![redis_addr]).await.map_err(|e| e.to_string())?;
             let alloc_link = FaultProxy::start(upstreams.clone()).await.map_err(|e| e.to_string())?;
             let sentinel = if spec.sentinel_regions.contains(name) {
@@ -185,10 +238,22 @@ impl Stack {
             };
             let mut agents = Vec::new();
             for r in 0..*replicas {
-                let redis_url =
-                    if sentinel.is_some() { String::new() } else { format!("redis://{}", redis_link.addr) };
-                let mut opts =
-                    AgentOpts::new(name, &format!("{name}-{}", r + 1), &alloc_link.http_url(), &redis_url);
+                let redis_scheme = if tls.is_some() { "rediss" } else { "redis" };
+                let redis_url = if sentinel.is_some() {
+                    String::new()
+                } else {
+                    format!("{redis_scheme}://{}", redis_link.addr)
+                };
+                let alloc_url = format!("{scheme}://{}", alloc_link.addr);
+                let mut opts = AgentOpts::new(name, &format!("{name}-{}", r + 1), &alloc_url, &redis_url);
+                if let Some(t) = &tls {
+                    let mut env = t.agent_env(name);
+                    if sentinel.is_some() {
+                        // Sentinel groups stay plain: only the allocator link's files.
+                        env.retain(|(k, _)| k.starts_with("AGENT_ALLOCATOR_"));
+                    }
+                    opts.env.extend(env);
+                }
                 if let Some(g) = &sentinel {
                     opts.env.push(("AGENT_REDIS_SENTINEL".into(), g.sentinel_addr.clone()));
                     opts.env.push(("AGENT_REDIS_MASTER".into(), MASTER_NAME.into()));
@@ -199,7 +264,7 @@ impl Stack {
             }
             regions.push(Region { name: name.clone(), redis, redis_link, alloc_link, agents, sentinel });
         }
-        Ok(Stack { bins, db, pg_link, allocators, api_link, admin, regions, dir })
+        Ok(Stack { bins, db, pg_link, allocators, api_link, admin, regions, tls, dir })
     }
 
     /// The region named `name`.

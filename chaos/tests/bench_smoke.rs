@@ -5,8 +5,15 @@
 use std::process::Command;
 
 /// Keys that must be measured and positive.
-const POSITIVE: [&str; 8] = [
+const POSITIVE: [&str; 14] = [
     "acquire.c1.decisions_per_s",
+    // TLS beside plain, same run (issue 16).
+    "acquire.c16.redis_plain.decisions_per_s",
+    "acquire.c16.redis_tls.decisions_per_s",
+    "acquire.c16.redis_tls.p99_ms",
+    "acquire.c16.redis_tls.ratio_to_redis_plain",
+    "grants.c16.http.p99_ms",
+    "grants.c16.https.p99_ms",
     "acquire.c16.p99_ms",
     "acquire.c16.decisions_per_s",
     "acquire.c16.ratio_to_ceiling",
@@ -62,4 +69,7 @@ fn bench_smoke_writes_a_report_with_every_headline_key() {
     assert!(std::fs::read_to_string(out.path().join("report.md"))
         .expect("report.md")
         .contains("| clients |"));
+    assert!(std::fs::read_to_string(out.path().join("report.md"))
+        .expect("report.md")
+        .contains("## TLS beside plain"));
 }

@@ -64,7 +64,9 @@ fn read_pem(what: &str, path: &Path) -> Result<Vec<u8>, String> {
     std::fs::read(path).map_err(|e| format!("cannot read {what} {}: {e}", path.display()))
 }
 
-fn pem_certs(what: &str, path: &Path) -> Result<Vec<CertificateDer<'static>>, String> {
+/// The certificates of a PEM file; errors name `what` (the setting) and the
+/// file, never its contents.
+pub(crate) fn pem_certs(what: &str, path: &Path) -> Result<Vec<CertificateDer<'static>>, String> {
     let bytes = read_pem(what, path)?;
     let certs = CertificateDer::pem_slice_iter(&bytes)
         .collect::<Result<Vec<_>, _>>()

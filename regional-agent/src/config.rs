@@ -23,14 +23,17 @@ pub struct Config {
     #[arg(long, env = "ALLOCATOR_URL")]
     pub allocator: Option<String>,
 
-    /// The region's Redis: redis://host:port, or a comma-separated list of
-    /// Redis Cluster nodes. Required unless --redis-sentinel and
-    /// --redis-master are given; with them, only its user, password and
-    /// database number are used (the primary's address comes from Sentinel).
+    /// The region's Redis: redis://host:port (rediss:// for TLS), or a
+    /// comma-separated list of Redis Cluster nodes. Required unless
+    /// --redis-sentinel and --redis-master are given; with them, only its
+    /// scheme, user, password and database number are used (the primary's
+    /// address comes from Sentinel).
     #[arg(long, env = "REDIS_URL", hide_env_values = true)]
     pub redis: Option<String>,
 
-    /// Redis Sentinel nodes watching the region's primary, `host:port[,host:port...]`.
+    /// Redis Sentinel nodes watching the region's primary, `host:port[,host:port...]`
+    /// (`rediss://host:port,...` to reach the Sentinels over TLS; the primary
+    /// then too, unless REDIS_URL says redis://).
     /// The agent asks them for the current primary and asks again after a
     /// connection error, a timeout or a READONLY answer (a failover).
     /// Goes with --redis-master.
@@ -117,6 +120,22 @@ pub struct Config {
     /// PEM private key of --allocator-client-cert.
     #[arg(long, env = "AGENT_ALLOCATOR_CLIENT_KEY")]
     pub allocator_client_key: Option<PathBuf>,
+
+    /// PEM file of the CA certificates that sign the region's Redis (and
+    /// Sentinel) server certificates, for rediss:// URLs. Replaces the
+    /// system's trust roots on that link: a public CA has no business
+    /// vouching for a private Redis.
+    #[arg(long, env = "AGENT_REDIS_CA_FILE")]
+    pub redis_ca_file: Option<PathBuf>,
+
+    /// PEM client certificate (chain) presented to Redis and Sentinel over
+    /// TLS (`tls-auth-clients yes`); needs --redis-client-key.
+    #[arg(long, env = "AGENT_REDIS_CLIENT_CERT")]
+    pub redis_client_cert: Option<PathBuf>,
+
+    /// PEM private key of --redis-client-cert.
+    #[arg(long, env = "AGENT_REDIS_CLIENT_KEY")]
+    pub redis_client_key: Option<PathBuf>,
 }
 
 /// The validated settings the agent runs with.
@@ -145,6 +164,9 @@ pub struct Settings {
     pub test_clock_offset_ms: i64,
     /// TLS settings of the allocator link.
     pub allocator_tls: TlsFiles,
+    /// TLS files of the Redis link (used only with rediss:// URLs; given
+    /// without one, they are a configuration error).
+    pub redis_tls: TlsFiles,
 }
 
 /// Where to find the region's primary through Sentinel.
@@ -154,13 +176,33 @@ pub struct SentinelSettings {
     pub nodes: Vec<(String, u16)>,
     /// The monitored primary's name.
     pub master: String,
+    /// The Sentinels are reached over TLS (`rediss://` entries).
+    pub tls: bool,
+}
+
+/// The scheme prefixes a Redis address may carry.
+const PLAIN: &str = "redis://";
+const TLS: &str = "rediss://";
+
+/// Whether the entries of `--redis-sentinel` name TLS Sentinels: all
+/// `rediss://` (true) or none (false); a mix is an error.
+pub fn sentinels_use_tls(list: &str) -> Result<bool, String> {
+    let entries: Vec<&str> = list.split(',').map(str::trim).filter(|s| !s.is_empty()).collect();
+    let tls = entries.iter().filter(|e| e.starts_with(TLS)).count();
+    match tls {
+        0 => Ok(false),
+        n if n == entries.len() => Ok(true),
+        _ => Err("AGENT_REDIS_SENTINEL mixes rediss:// and plain entries: use one scheme for every Sentinel"
+            .into()),
+    }
 }
 
 /// Parses `host:port[,host:port...]` (IPv6 hosts in brackets).
 pub fn parse_sentinels(list: &str) -> Result<Vec<(String, u16)>, String> {
     let mut nodes = Vec::new();
     for item in list.split(',').map(str::trim).filter(|s| !s.is_empty()) {
-        let (host, port) = item
+        let bare = item.strip_prefix(TLS).or_else(|| item.strip_prefix(PLAIN)).unwrap_or(item);
+        let (host, port) = bare
             .rsplit_once(':')
             .ok_or_else(|| format!("AGENT_REDIS_SENTINEL entry {item:?} is not host:port"))?;
         let host = host.trim_start_matches('[').trim_end_matches(']');
@@ -209,6 +251,20 @@ impl Config {
         Ok(TlsFiles { ca_file: path(&self.allocator_ca_file), client_cert })
     }
 
+    /// The Redis link's TLS files, checked the same way.
+    fn redis_tls(&self) -> Result<TlsFiles, String> {
+        let client_cert = match (path(&self.redis_client_cert), path(&self.redis_client_key)) {
+            (Some(c), Some(k)) => Some((c, k)),
+            (None, None) => None,
+            _ => {
+                return Err("AGENT_REDIS_CLIENT_CERT and AGENT_REDIS_CLIENT_KEY must be set together \
+                            (--redis-client-cert, --redis-client-key)"
+                    .into())
+            }
+        };
+        Ok(TlsFiles { ca_file: path(&self.redis_ca_file), client_cert })
+    }
+
     /// Checks the configuration, naming the setting that is missing or wrong.
     pub fn settings(&self) -> Result<Settings, String> {
         let region = required(&self.region, "region", "AGENT_REGION")?;
@@ -225,6 +281,7 @@ impl Config {
             (true, true) => Some(SentinelSettings {
                 nodes: parse_sentinels(self.redis_sentinel.as_deref().unwrap_or_default())?,
                 master: self.redis_master.as_deref().unwrap_or_default().trim().to_string(),
+                tls: sentinels_use_tls(self.redis_sentinel.as_deref().unwrap_or_default())?,
             }),
             (true, false) => {
                 return Err("AGENT_REDIS_MASTER is not set: --redis-sentinel needs --redis-master NAME \
@@ -251,6 +308,19 @@ impl Config {
                 AGENT_REDIS_CLUSTER): Sentinel serves one primary"
                 .into());
         }
+        let redis_tls = self.redis_tls()?;
+        let tls_urls = redis.iter().filter(|u| u.starts_with(TLS)).count();
+        if tls_urls > 0 && tls_urls < redis.len() {
+            return Err("REDIS_URL mixes rediss:// and redis:// nodes: use one scheme for every node".into());
+        }
+        let tls_anywhere = tls_urls > 0 || sentinel.as_ref().is_some_and(|s| s.tls);
+        if !tls_anywhere && (redis_tls.ca_file.is_some() || redis_tls.client_cert.is_some()) {
+            // A CA file next to a plain URL means the operator expects
+            // encryption the agent would not provide: refuse, do not ignore.
+            return Err("AGENT_REDIS_CA_FILE / AGENT_REDIS_CLIENT_CERT are set but no Redis address is \
+                rediss://: use rediss:// in REDIS_URL (or AGENT_REDIS_SENTINEL) for TLS"
+                .into());
+        }
         if self.redis_prefix.contains(['{', '}']) {
             return Err("AGENT_REDIS_PREFIX must not contain '{' or '}' (it would break the hash tag)".into());
         }
@@ -275,6 +345,7 @@ impl Config {
             outbox_interval: Duration::from_millis(self.outbox_interval_ms.max(10)),
             test_clock_offset_ms: self.test_clock_offset_ms,
             allocator_tls: self.allocator_tls()?,
+            redis_tls,
         })
     }
 }
@@ -335,5 +406,38 @@ mod tests {
                 .settings()
                 .unwrap_err();
         assert!(e.contains("Cluster"), "{e}");
+    }
+
+    #[test]
+    fn rediss_urls_and_tls_sentinels_are_recognised() {
+        let s = config(&["--redis", "rediss://a:1", "--redis-ca-file", "/ca.pem"]).settings().expect("valid");
+        assert_eq!(s.redis_tls.ca_file.as_deref(), Some(std::path::Path::new("/ca.pem")));
+        let s = config(&["--redis-sentinel", "rediss://127.0.0.1:26379,rediss://h:2", "--redis-master", "m"])
+            .settings()
+            .expect("valid");
+        let sentinel = s.sentinel.expect("sentinel");
+        assert!(sentinel.tls);
+        assert_eq!(sentinel.nodes, vec![("127.0.0.1".to_string(), 26379), ("h".to_string(), 2)]);
+    }
+
+    #[test]
+    fn redis_tls_files_without_a_rediss_address_are_a_config_error() {
+        let e = config(&["--redis", "redis://a:1", "--redis-ca-file", "/ca.pem"]).settings().unwrap_err();
+        assert!(e.contains("AGENT_REDIS_CA_FILE") && e.contains("rediss://"), "{e}");
+    }
+
+    #[test]
+    fn a_redis_client_certificate_needs_its_key() {
+        let e = config(&["--redis", "rediss://a:1", "--redis-client-cert", "/c.pem"]).settings().unwrap_err();
+        assert!(e.contains("AGENT_REDIS_CLIENT_KEY"), "{e}");
+    }
+
+    #[test]
+    fn mixed_schemes_are_a_config_error() {
+        let e = config(&["--redis", "rediss://a:1,redis://b:2"]).settings().unwrap_err();
+        assert!(e.contains("mixes"), "{e}");
+        let e =
+            config(&["--redis-sentinel", "rediss://a:1,b:2", "--redis-master", "m"]).settings().unwrap_err();
+        assert!(e.contains("mixes"), "{e}");
     }
 }

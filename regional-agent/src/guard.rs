@@ -153,9 +153,24 @@ impl Guard {
     /// `Ok` when the agent may admit from the region's Redis; otherwise the
     /// `503 store_unavailable` to answer.
     pub fn admit(&self) -> Result<(), Error> {
-        match self.state.lock().unwrap().verdict.refusal() {
+        match self.refusal() {
             None => Ok(()),
             Some(reason) => Err(Error::StoreNotSafe(reason)),
+        }
+    }
+
+    /// Why the agent does not admit, or `None` when it may. Before the
+    /// first successful check, a failed one names its reason (Redis
+    /// unreachable, a TLS handshake refused), which says more than "not
+    /// read yet".
+    pub fn refusal(&self) -> Option<String> {
+        let st = self.state.lock().unwrap();
+        match (&st.verdict, &st.failure) {
+            (Verdict::Unverified, Some(why)) => Some(format!(
+                "the region's Redis cannot be used ({why}); the agent admits only after reading its \
+                 maxmemory-policy"
+            )),
+            (v, _) => v.refusal(),
         }
     }
 
@@ -217,10 +232,10 @@ impl Guard {
     /// Notes a failed check (logged once per distinct failure).
     fn failed(&self, why: String) {
         let mut st = self.state.lock().unwrap();
-        if st.failure.as_deref() != Some(why.as_str()) {
+        if !st.failure.as_deref().is_some_and(|f| crate::store::same_reason(f, &why)) {
             tracing::warn!(error = %why, verdict = ?st.verdict, "Redis eviction policy check failed; keeping the last verdict");
-            st.failure = Some(why);
         }
+        st.failure = Some(why);
     }
 }
 

@@ -115,14 +115,15 @@ pub fn describe(m: &Registry) {
     tag = "agent"
 )]
 pub(crate) async fn readyz(State(app): State<AppState>) -> impl IntoResponse {
-    if let Some(reason) = app.guard.verdict().refusal() {
+    if let Some(reason) = app.guard.refusal() {
         (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"error": "store_unavailable", "message": reason})))
     } else if app.store.ping().await {
         (StatusCode::OK, Json(json!({"status": "ready"})))
     } else {
+        let why = app.store.last_error().unwrap_or_else(|| "no answer".into());
         (
             StatusCode::SERVICE_UNAVAILABLE,
-            Json(json!({"error": "store_unavailable", "message": "Redis does not answer"})),
+            Json(json!({"error": "store_unavailable", "message": format!("Redis does not answer: {why}")})),
         )
     }
 }
@@ -149,7 +150,7 @@ pub(crate) async fn metrics(State(app): State<AppState>) -> impl IntoResponse {
 #[utoipa::path(
     get,
     path = "/v1/status",
-    responses((status = 200, description = "{region, agent, epoch, allocator_reachable, allocator_error (why the allocator counts as unreachable, e.g. a TLS failure; null while it answers), dead_letters (entries in the region's dead-letter list; null when Redis cannot be read), recent_dead_letters (the newest 10: tenant, resource, agent, entry, status, error, message, at), quotas: [{tenant, resource, lease_tokens, expires_in_ms, demand_per_sec, mode, ...}]}")),
+    responses((status = 200, description = "{region, agent, epoch, allocator_reachable, allocator_error (why the allocator counts as unreachable, e.g. a TLS failure; null while it answers), redis_error (why the region's Redis cannot be used: refused, timed out, TLS handshake failed; null while it answers), dead_letters (entries in the region's dead-letter list; null when Redis cannot be read), recent_dead_letters (the newest 10: tenant, resource, agent, entry, status, error, message, at), quotas: [{tenant, resource, lease_tokens, expires_in_ms, demand_per_sec, mode, ...}]}")),
     tag = "agent"
 )]
 pub(crate) async fn status(State(app): State<AppState>) -> impl IntoResponse {
@@ -195,6 +196,7 @@ pub(crate) async fn status(State(app): State<AppState>) -> impl IntoResponse {
         "epoch": app.ident.epoch(),
         "allocator_reachable": reachable,
         "allocator_error": app.alloc.last_error(),
+        "redis_error": app.store.last_error(),
         "quotas": quotas,
     }))
 }

@@ -14,6 +14,7 @@
 //!   timeouts, the Lua scripts of `lua/*.lua`.
 //! * [`sentinel`]: the primary found through Sentinel, looked up again
 //!   after a failover.
+//! * [`redis_tls`]: the certificates of `rediss://` links.
 //! * [`guard`]: the eviction policy check (admit only from a `noeviction`
 //!   Redis).
 //! * [`gauges`]: per-quota mode and policy version, identity and clock
@@ -143,6 +144,7 @@ pub mod health;
 pub mod keys;
 pub mod outbox;
 pub mod quotas;
+pub mod redis_tls;
 pub mod renew;
 pub mod sentinel;
 pub mod spend;
@@ -208,6 +210,7 @@ impl App {
             &settings.redis,
             settings.redis_cluster,
             settings.sentinel.as_ref(),
+            &settings.redis_tls,
             settings.redis_timeout,
         )
         .await?;

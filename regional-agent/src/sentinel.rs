@@ -17,10 +17,15 @@
 //! what an unknown outcome means. What the new primary lost (writes its
 //! replica had not received) is the spend script's business (rollback
 //! detection, DESIGN §3 I6), not the connection's.
+//!
+//! TLS ([`SentinelTls`]): the Sentinels (`rediss://` entries) and the
+//! primary they name are reached with the same certificates. The primary's
+//! certificate is verified against the address Sentinel announces (an IP
+//! address, usually), so it must name that address.
 
 use redis::aio::MultiplexedConnection;
 use redis::sentinel::{SentinelClient, SentinelClientBuilder, SentinelServerType};
-use redis::{AsyncConnectionConfig, ConnectionAddr, RedisError};
+use redis::{AsyncConnectionConfig, ConnectionAddr, RedisError, TlsCertificates, TlsMode};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -37,6 +42,16 @@ struct Current {
     conn: Option<(u64, MultiplexedConnection)>,
     /// When the last lookup failed, and why.
     failed: Option<(Instant, RedisError)>,
+}
+
+/// Which links of a Sentinel group use TLS, and the certificates.
+pub struct SentinelTls {
+    /// The agent → Sentinel connections.
+    pub sentinels: bool,
+    /// The agent → primary connection.
+    pub primary: bool,
+    /// Trust roots and client certificate of both (`--redis-ca-file`, ...).
+    pub certs: TlsCertificates,
 }
 
 /// The primary of one Sentinel-monitored group.
@@ -74,17 +89,34 @@ pub fn needs_lookup(e: &RedisError) -> bool {
 impl Primary {
     /// A handle on `master` as the `sentinels` name it; connects lazily.
     /// `node` carries the primary's credentials and database (from
-    /// `REDIS_URL`, when given); `timeout` bounds the connection and each
-    /// answer.
+    /// `REDIS_URL`, when given); `tls` says which links use TLS;
+    /// `timeout` bounds the connection and each answer.
     pub fn new(
         sentinels: &[(String, u16)],
         master: &str,
         node: Option<&redis::ConnectionInfo>,
+        tls: Option<SentinelTls>,
         timeout: Duration,
     ) -> Result<Primary, String> {
-        let addrs = sentinels.iter().map(|(h, p)| ConnectionAddr::Tcp(h.clone(), *p));
+        let sentinel_tls = tls.as_ref().is_some_and(|t| t.sentinels);
+        let addrs = sentinels.iter().map(|(h, p)| {
+            if sentinel_tls {
+                // `insecure: false`: the certificate and its name are checked.
+                ConnectionAddr::TcpTls { host: h.clone(), port: *p, insecure: false, tls_params: None }
+            } else {
+                ConnectionAddr::Tcp(h.clone(), *p)
+            }
+        });
         let mut b = SentinelClientBuilder::new(addrs, master, SentinelServerType::Master)
             .map_err(|e| format!("AGENT_REDIS_SENTINEL: {e}"))?;
+        if let Some(t) = tls {
+            if t.sentinels {
+                b = b.set_client_to_sentinel_certificates(t.certs.clone());
+            }
+            if t.primary {
+                b = b.set_client_to_redis_tls_mode(TlsMode::Secure).set_client_to_redis_certificates(t.certs);
+            }
+        }
         if let Some(info) = node {
             let r = info.redis_settings();
             if let Some(u) = r.username() {

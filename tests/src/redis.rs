@@ -20,6 +20,8 @@ pub struct TestRedis {
     _container: Option<Container>,
     /// Extra `redis-server` arguments, kept for a restart.
     args: Vec<String>,
+    /// The TLS port of a server started with [`TestRedis::start_tls`].
+    tls_port: Option<u16>,
 }
 
 fn ping(port: u16) -> bool {
@@ -59,6 +61,7 @@ impl TestRedis {
                 dir: None,
                 _container: None,
                 args: Vec::new(),
+                tls_port: None,
             };
         }
         if let Some(bin) = procs::find_binary("redis-server", &[]) {
@@ -71,6 +74,7 @@ impl TestRedis {
                 dir: Some(dir),
                 _container: None,
                 args: Vec::new(),
+                tls_port: None,
             };
             r.spawn(&bin);
             return r;
@@ -90,6 +94,7 @@ impl TestRedis {
                 dir: None,
                 _container: Some(c),
                 args: Vec::new(),
+                tls_port: None,
             };
         }
         panic!("no REDIS_URL, no redis-server binary (apt-get install redis-server) and no Docker engine");
@@ -110,6 +115,7 @@ impl TestRedis {
             dir: Some(tempfile::tempdir().expect("temp dir")),
             _container: None,
             args: args.iter().map(|a| a.to_string()).collect(),
+            tls_port: None,
         };
         r.spawn(&bin);
         r
@@ -136,6 +142,39 @@ impl TestRedis {
         );
         wait_ping(self.port, self.child.as_mut(), &dir);
         self.url = format!("redis://127.0.0.1:{}", self.port);
+    }
+
+    /// Starts a local `redis-server` that also serves TLS (`--tls-port`)
+    /// with `files`, requiring client certificates when `auth_clients`.
+    /// The plain port stays open on loopback for the harness's own checks
+    /// (PING, `redis-cli`); the agent is given [`TestRedis::tls_url`].
+    pub fn start_tls(files: &crate::tls::ServerFiles, auth_clients: bool, extra: &[&str]) -> TestRedis {
+        let bin = procs::find_binary("redis-server", &[])
+            .expect("no redis-server binary (apt-get install redis-server)");
+        let port = crate::free_port();
+        let mut tls_port = crate::free_port();
+        while tls_port == port {
+            tls_port = crate::free_port();
+        }
+        let mut args = files.redis_args(tls_port, auth_clients);
+        args.extend(extra.iter().map(|a| a.to_string()));
+        let mut r = TestRedis {
+            url: String::new(),
+            prefix: format!("t{}", uuid::Uuid::new_v4().simple()),
+            port,
+            child: None,
+            dir: Some(tempfile::tempdir().expect("temp dir")),
+            _container: None,
+            args,
+            tls_port: Some(tls_port),
+        };
+        r.spawn(&bin);
+        r
+    }
+
+    /// `rediss://127.0.0.1:TLS_PORT` of a server started with [`TestRedis::start_tls`].
+    pub fn tls_url(&self) -> String {
+        format!("rediss://127.0.0.1:{}", self.tls_port.expect("a TLS redis-server"))
     }
 
     /// Kills the local server and starts an empty one on the same port

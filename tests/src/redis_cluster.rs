@@ -2,6 +2,11 @@
 //! `redis-server` processes in cluster mode on free loopback ports (no
 //! persistence), joined with `redis-cli --cluster create`, ready once
 //! `CLUSTER INFO` reports `cluster_state:ok` on every node.
+//!
+//! [`TestRedisCluster::start_tls`] runs the nodes with a TLS port each as
+//! well (`tls-cluster yes`: the cluster bus speaks TLS, and a TLS client is
+//! told the TLS ports); the cluster is formed and checked through the plain
+//! loopback ports, the agents get the `rediss://` list.
 
 use crate::procs::{self, Child};
 use std::process::Command;
@@ -14,6 +19,9 @@ pub struct TestRedisCluster {
     pub url: String,
     /// The node ports.
     pub ports: Vec<u16>,
+    /// The nodes' TLS ports, `rediss://127.0.0.1:T1,...`, for a cluster
+    /// started with [`TestRedisCluster::start_tls`].
+    pub tls_url: Option<String>,
     _children: Vec<Child>,
     _dir: tempfile::TempDir,
 }
@@ -33,6 +41,16 @@ impl TestRedisCluster {
 
     /// Starts a cluster of `masters` masters (at least 3, as Redis requires).
     pub fn start_with(masters: usize) -> TestRedisCluster {
+        Self::start_inner(masters, None)
+    }
+
+    /// A 3-master cluster whose nodes also serve TLS with `files` (client
+    /// certificates not required).
+    pub fn start_tls(files: &crate::tls::ServerFiles) -> TestRedisCluster {
+        Self::start_inner(3, Some(files))
+    }
+
+    fn start_inner(masters: usize, tls: Option<&crate::tls::ServerFiles>) -> TestRedisCluster {
         assert!(masters >= 3, "a Redis Cluster needs at least 3 masters");
         let server = procs::find_binary("redis-server", &[])
             .expect("no redis-server binary (apt-get install redis-server)");
@@ -41,11 +59,13 @@ impl TestRedisCluster {
         let dir = tempfile::tempdir().expect("temp dir");
         let mut ports = Vec::new();
         let mut children = Vec::new();
+        let mut tls_ports: Vec<u16> = Vec::new();
         while ports.len() < masters {
             let port = crate::free_port();
             // The cluster bus listens on port + 10000; both must be free and distinct.
             if port > 55535
                 || ports.contains(&port)
+                || tls_ports.contains(&port)
                 || ports.iter().any(|p| p + 10000 == port || port + 10000 == *p)
             {
                 continue;
@@ -53,7 +73,24 @@ impl TestRedisCluster {
             if std::net::TcpListener::bind(("127.0.0.1", port + 10000)).is_err() {
                 continue;
             }
+            let tls_args = match tls {
+                Some(f) => {
+                    let tls_port = loop {
+                        let t = crate::free_port();
+                        let clash = |p: u16| t == p || t == p + 10000;
+                        if !clash(port) && !ports.iter().any(|p| clash(*p)) && !tls_ports.contains(&t) {
+                            break t;
+                        }
+                    };
+                    tls_ports.push(tls_port);
+                    let mut a = f.redis_args(tls_port, false);
+                    a.extend(["--tls-cluster", "yes", "--tls-replication", "yes"].map(String::from));
+                    a
+                }
+                None => Vec::new(),
+            };
             let mut cmd = Command::new(&server);
+            cmd.args(&tls_args);
             cmd.args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
                 .args(["--cluster-enabled", "yes"])
                 .arg("--cluster-config-file")
@@ -67,6 +104,9 @@ impl TestRedisCluster {
         }
         let mut c = TestRedisCluster {
             url: ports.iter().map(|p| format!("redis://127.0.0.1:{p}")).collect::<Vec<_>>().join(","),
+            tls_url: tls.map(|_| {
+                tls_ports.iter().map(|p| format!("rediss://127.0.0.1:{p}")).collect::<Vec<_>>().join(",")
+            }),
             ports,
             _children: children,
             _dir: dir,

@@ -3,6 +3,12 @@
 //! 500, `failover-timeout` 2000), each a local process on a free loopback
 //! port in a temp dir of its own, no persistence, killed with the test.
 //! Commands go through `redis-cli`.
+//!
+//! [`TestSentinel::start_tls`] runs the same group over TLS: every server
+//! and the Sentinel also serve a TLS port, replication and Sentinel's own
+//! links use it (`tls-replication yes`), client certificates are required,
+//! and the Sentinel announces the TLS ports. The plain ports stay open on
+//! loopback for the harness's checks.
 
 use crate::procs::{self, Child};
 use crate::redis::wait_ping;
@@ -25,6 +31,9 @@ pub struct TestSentinel {
     pub primary_port: u16,
     /// The port of the server started as replica.
     pub replica_port: u16,
+    /// `rediss://127.0.0.1:PORT` of the Sentinel's TLS port, for a group
+    /// started with [`TestSentinel::start_tls`].
+    pub tls_sentinel_addr: Option<String>,
     sentinel_port: u16,
     cli: PathBuf,
     primary: Option<Child>,
@@ -51,6 +60,16 @@ impl TestSentinel {
     /// Sentinel knows it; panics with the reason when a binary is missing
     /// or the group never forms.
     pub fn start() -> TestSentinel {
+        Self::start_with(None)
+    }
+
+    /// The group over TLS with `files` (a certificate naming 127.0.0.1,
+    /// used by every server and the Sentinel, and the CA they trust).
+    pub fn start_tls(files: &crate::tls::ServerFiles) -> TestSentinel {
+        Self::start_with(Some(files))
+    }
+
+    fn start_with(tls: Option<&crate::tls::ServerFiles>) -> TestSentinel {
         let bin = procs::find_binary("redis-server", &[])
             .expect("no redis-server binary (apt-get install redis-server)");
         let cli =
@@ -61,18 +80,35 @@ impl TestSentinel {
         while replica_port == primary_port {
             replica_port = crate::free_port();
         }
-        let primary = server(&bin, dir.path(), "primary", primary_port, &[]);
-        let replica = server(
-            &bin,
-            dir.path(),
-            "replica",
-            replica_port,
-            &["--replicaof".into(), "127.0.0.1".into(), primary_port.to_string()],
-        );
-        let mut sentinel_port = crate::free_port();
-        while [primary_port, replica_port].contains(&sentinel_port) {
-            sentinel_port = crate::free_port();
-        }
+        let mut taken = vec![primary_port, replica_port];
+        let mut another = || loop {
+            let p = crate::free_port();
+            if !taken.contains(&p) {
+                taken.push(p);
+                return p;
+            }
+        };
+        // With TLS: the TLS ports the servers announce and replicate over.
+        let tls_ports = tls.map(|_| (another(), another(), another()));
+        let tls_args = |port: u16| -> Vec<String> {
+            match tls {
+                Some(f) => {
+                    let mut a = f.redis_args(port, true);
+                    a.extend(["--tls-replication".into(), "yes".into()]);
+                    a
+                }
+                None => Vec::new(),
+            }
+        };
+        let (primary_link, replica_link) = match tls_ports {
+            Some((p, r, _)) => (p, r),
+            None => (primary_port, replica_port),
+        };
+        let primary = server(&bin, dir.path(), "primary", primary_port, &tls_args(primary_link));
+        let mut replica_args = vec!["--replicaof".into(), "127.0.0.1".into(), primary_link.to_string()];
+        replica_args.extend(tls_args(replica_link));
+        let replica = server(&bin, dir.path(), "replica", replica_port, &replica_args);
+        let sentinel_port = another();
         let sd = dir.path().join("sentinel");
         std::fs::create_dir_all(&sd).expect("sentinel dir");
         // Sentinel rewrites its configuration file: it must be its own and writable.
@@ -80,12 +116,22 @@ impl TestSentinel {
         std::fs::write(
             &conf,
             format!(
-                "port {sentinel_port}\nbind 127.0.0.1\ndir {}\n\
-                 sentinel monitor {MASTER_NAME} 127.0.0.1 {primary_port} 1\n\
+                "port {sentinel_port}\nbind 127.0.0.1\ndir {}\n{}\
+                 sentinel monitor {MASTER_NAME} 127.0.0.1 {primary_link} 1\n\
                  sentinel down-after-milliseconds {MASTER_NAME} {DOWN_AFTER_MS}\n\
                  sentinel failover-timeout {MASTER_NAME} {FAILOVER_TIMEOUT_MS}\n\
                  sentinel parallel-syncs {MASTER_NAME} 1\n",
-                sd.display()
+                sd.display(),
+                match (tls, tls_ports) {
+                    (Some(f), Some((_, _, st))) => format!(
+                        "tls-port {st}\ntls-cert-file {}\ntls-key-file {}\ntls-ca-cert-file {}\n\
+                         tls-replication yes\n",
+                        f.cert.display(),
+                        f.key.display(),
+                        f.ca.display()
+                    ),
+                    _ => String::new(),
+                }
             ),
         )
         .expect("sentinel.conf");
@@ -109,6 +155,7 @@ impl TestSentinel {
             sentinel_addr: format!("127.0.0.1:{sentinel_port}"),
             primary_port,
             replica_port,
+            tls_sentinel_addr: tls_ports.map(|(_, _, st)| format!("rediss://127.0.0.1:{st}")),
             sentinel_port,
             cli,
             primary: Some(primary),
@@ -121,7 +168,7 @@ impl TestSentinel {
             let linked = g.info(replica_port).is_ok_and(|i| i.contains("master_link_status:up"));
             let known = g
                 .cli(sentinel_port, &["SENTINEL", "replicas", MASTER_NAME])
-                .is_ok_and(|o| o.contains(&replica_port.to_string()) && !o.contains("s_down"));
+                .is_ok_and(|o| o.contains(&replica_link.to_string()) && !o.contains("s_down"));
             if linked && known {
                 return g;
             }

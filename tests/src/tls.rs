@@ -61,6 +61,23 @@ impl Ca {
         )
     }
 
+    /// A server certificate for `localhost` and 127.0.0.1 that expired
+    /// years ago (valid 2020-01-01 to 2021-01-01).
+    pub fn expired_server(&self, cn: &str, serial: u64) -> Leaf {
+        let key = KeyPair::generate().expect("leaf key");
+        let mut params = CertificateParams::default();
+        params.distinguished_name.push(DnType::CommonName, cn);
+        params.subject_alt_names = vec![
+            SanType::DnsName("localhost".try_into().expect("dns")),
+            SanType::IpAddress(std::net::Ipv4Addr::LOCALHOST.into()),
+        ];
+        params.serial_number = Some(SerialNumber::from(serial));
+        params.not_before = rcgen::date_time_ymd(2020, 1, 1);
+        params.not_after = rcgen::date_time_ymd(2021, 1, 1);
+        let cert = params.signed_by(&key, &self.issuer).expect("leaf cert");
+        Leaf { cert_pem: cert.pem(), key_pem: key.serialize_pem(), der: cert.der().clone() }
+    }
+
     /// A client certificate, naming `region:<r>` as a SAN URI when given.
     pub fn client(&self, cn: &str, region: Option<&str>) -> Leaf {
         let sans = region
@@ -130,4 +147,42 @@ pub async fn served_cert(
             .ok_or_else(|| "no server certificate".to_string())
     };
     tokio::time::timeout(Duration::from_secs(5), connect).await.map_err(|_| "timed out".to_string())?
+}
+
+/// The files a TLS-serving Redis (or Sentinel) is started with: its
+/// certificate and key, and the CA it trusts for client certificates (and,
+/// between servers, for each other's).
+#[derive(Debug, Clone)]
+pub struct ServerFiles {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    pub ca: PathBuf,
+}
+
+impl ServerFiles {
+    /// Writes `leaf` and `ca`'s certificate into `dir`, named after `name`.
+    pub fn write(dir: &Path, name: &str, leaf: &Leaf, ca: &Ca) -> ServerFiles {
+        ServerFiles {
+            cert: write(dir, &format!("{name}.pem"), &leaf.cert_pem),
+            key: write(dir, &format!("{name}.key"), &leaf.key_pem),
+            ca: write(dir, &format!("{name}-ca.pem"), &ca.cert_pem),
+        }
+    }
+
+    /// `redis-server` arguments serving TLS on `port` with these files;
+    /// `auth_clients` requires client certificates (`--tls-auth-clients`).
+    pub fn redis_args(&self, port: u16, auth_clients: bool) -> Vec<String> {
+        vec![
+            "--tls-port".into(),
+            port.to_string(),
+            "--tls-cert-file".into(),
+            self.cert.display().to_string(),
+            "--tls-key-file".into(),
+            self.key.display().to_string(),
+            "--tls-ca-cert-file".into(),
+            self.ca.display().to_string(),
+            "--tls-auth-clients".into(),
+            if auth_clients { "yes" } else { "no" }.into(),
+        ]
+    }
 }

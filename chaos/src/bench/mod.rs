@@ -9,6 +9,8 @@
 //!   and grant p99 by number of quotas.
 //! * [`renewal`]: grant calls per 1,000 admits; ledger growth.
 //! * [`utilization`]: skew and contention at 20 quotas × 3 regions.
+//! * [`tls`]: decisions with Redis over TLS beside plain Redis, grants
+//!   over HTTPS (mTLS) beside HTTP, at 16 clients.
 //! * [`hist`]: the closed-loop driver and HDR histograms; [`machine`]: what
 //!   the machine is; [`rig`]: the proxy-free stack of the first three;
 //!   [`table`]: the Markdown report.
@@ -24,6 +26,7 @@ pub mod peer;
 pub mod renewal;
 pub mod rig;
 pub mod table;
+pub mod tls;
 pub mod utilization;
 
 use clap::Args;
@@ -56,6 +59,7 @@ pub enum Part {
     Acquire,
     Renewal,
     Grants,
+    Tls,
     Utilization,
 }
 
@@ -231,7 +235,8 @@ pub async fn run(args: BenchArgs) -> Result<bool, String> {
     let bins = crate::bins::ensure()?;
     let mut out = Results::default();
 
-    if args.runs(Part::Acquire) || args.runs(Part::Renewal) || args.runs(Part::Grants) {
+    if args.runs(Part::Acquire) || args.runs(Part::Renewal) || args.runs(Part::Grants) || args.runs(Part::Tls)
+    {
         say("starting PostgreSQL and 2 allocator replicas (direct links)");
         let rig = rig::Rig::start(bins.clone(), 2).await?;
         if args.runs(Part::Acquire) {
@@ -242,6 +247,9 @@ pub async fn run(args: BenchArgs) -> Result<bool, String> {
         }
         if args.runs(Part::Grants) {
             grants::run(&rig, &plan, &mut out, &say).await?;
+        }
+        if args.runs(Part::Tls) {
+            tls::run(&rig, &plan, &mut out, &say).await?;
         }
     }
     if args.runs(Part::Utilization) {

@@ -80,9 +80,16 @@ impl Rig {
 
     /// One agent (region `eu`, id `eu-1`) on `redis`, talking to the first allocator.
     pub async fn agent(&self, redis: &TestRedis) -> AgentProc {
-        let mut opts = AgentOpts::new("eu", "eu-1", &self.allocators[0].base, &redis.url);
+        self.agent_as("eu", &redis.url, Vec::new()).await
+    }
+
+    /// One agent of `region` (id `<region>-1`) on the Redis at `redis_url`
+    /// with extra environment, talking to the first allocator.
+    pub async fn agent_as(&self, region: &str, redis_url: &str, env: Vec<(String, String)>) -> AgentProc {
+        let mut opts = AgentOpts::new(region, &format!("{region}-1"), &self.allocators[0].base, redis_url);
         // Per-request log lines would be charged to the agent's latency.
         opts.env.push(("RUST_LOG".into(), "warn".into()));
+        opts.env.extend(env);
         AgentProc::spawn(&self.bins.agent, opts).await
     }
 }

@@ -148,6 +148,34 @@ pub fn markdown(plan: &Plan, m: &Machine, r: &Results, targets: &[TargetRow]) ->
         );
     }
 
+    let c = super::tls::CLIENTS;
+    let _ = writeln!(s, "\n## TLS beside plain ({c} clients, same run, keep-alive connections)\n");
+    let _ = writeln!(s, "| link | plain /s | plain p50 ms | plain p99 ms | TLS /s | TLS p50 ms | TLS p99 ms | TLS / plain throughput |");
+    let _ = writeln!(s, "|---|---|---|---|---|---|---|---|");
+    for (what, prefix, per_s, plain, tls) in [
+        (
+            "agent decisions, Redis `redis://` vs `rediss://`",
+            "acquire",
+            "decisions_per_s",
+            "redis_plain",
+            "redis_tls",
+        ),
+        ("allocator grants, HTTP vs HTTPS with mTLS", "grants", "grants_per_s", "http", "https"),
+    ] {
+        let k = |side: &str, x: &str| format!("{prefix}.c{c}.{side}.{x}");
+        let _ = writeln!(
+            s,
+            "| {what} | {} | {} | {} | {} | {} | {} | {} |",
+            v(r, &k(plain, per_s)),
+            v(r, &k(plain, "p50_ms")),
+            v(r, &k(plain, "p99_ms")),
+            v(r, &k(tls, per_s)),
+            v(r, &k(tls, "p50_ms")),
+            v(r, &k(tls, "p99_ms")),
+            v(r, &k(tls, &format!("ratio_to_{plain}"))),
+        );
+    }
+
     let _ = writeln!(s, "\n## Renewal cost, utilization, scaling\n");
     let _ = writeln!(s, "| measure | value |");
     let _ = writeln!(s, "|---|---|");
