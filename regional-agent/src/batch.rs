@@ -11,6 +11,7 @@
 //! holds at most [`MAX_QUEUED`] (a request beyond it runs on its own), and a
 //! request waits for its answer at most two Redis timeouts.
 
+use crate::keys::Keys;
 use crate::quotas::Quota;
 use crate::spend::Admit;
 use crate::store::{Reply, StoreError, SPEND};
@@ -190,7 +191,7 @@ pub fn spend_invocation(
     asks: &[Ask],
 ) -> ScriptInvocation<'static> {
     let mut inv = SPEND.prepare_invoke();
-    inv.key(format!("{prefix}inc"))
+    inv.key(Keys::incarnation(prefix))
         .arg(prefix)
         .arg(token)
         .arg(fresh)

@@ -67,6 +67,32 @@ impl Keys {
         format!("{}r:{{{}}}:dead", self.ns, lp(region))
     }
 
+    /// A quota's incarnation key (`KEYS[1]` of every script: the key that
+    /// routes a script to the quota's Cluster slot).
+    pub fn incarnation(quota_prefix: &str) -> String {
+        format!("{quota_prefix}inc")
+    }
+
+    /// A quota's cached policy (hash), shared by the region's replicas.
+    pub fn policy(quota_prefix: &str) -> String {
+        format!("{quota_prefix}pol")
+    }
+
+    /// A quota's renew lock (one replica renews at a time).
+    pub fn renew_lock(quota_prefix: &str) -> String {
+        format!("{quota_prefix}lock")
+    }
+
+    /// A quota's "the allocator said the pool is empty" mark.
+    pub fn exhausted(quota_prefix: &str) -> String {
+        format!("{quota_prefix}exh")
+    }
+
+    /// A quota's set of windows with counts not yet cut into an outbox.
+    pub fn dirty(quota_prefix: &str) -> String {
+        format!("{quota_prefix}dirty")
+    }
+
     /// The outbox list of `agent` for the quota with prefix `quota_prefix`.
     pub fn outbox(quota_prefix: &str, agent: &str) -> String {
         format!("{quota_prefix}ob:{agent}")
@@ -98,5 +124,23 @@ mod tests {
         assert_eq!(ns.region_agents("eu"), "t1:r:{2:eu}:agents");
         assert_eq!(ns.region_dead_letters("eu"), "t1:r:{2:eu}:dead");
         assert_eq!(Keys::outbox("q:{1:a/1:b}:", "eu-1"), "q:{1:a/1:b}:ob:eu-1");
+        let p = k.quota("a", "b");
+        let suffixes = [
+            Keys::incarnation(&p),
+            Keys::policy(&p),
+            Keys::renew_lock(&p),
+            Keys::exhausted(&p),
+            Keys::dirty(&p),
+        ];
+        assert_eq!(
+            suffixes,
+            [
+                "q:{1:a/1:b}:inc",
+                "q:{1:a/1:b}:pol",
+                "q:{1:a/1:b}:lock",
+                "q:{1:a/1:b}:exh",
+                "q:{1:a/1:b}:dirty"
+            ]
+        );
     }
 }

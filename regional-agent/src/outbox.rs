@@ -267,7 +267,7 @@ async fn drain_list(
 ) -> Result<i64, StoreError> {
     if cut {
         let mut inv = CUT.prepare_invoke();
-        inv.key(format!("{prefix}inc"))
+        inv.key(Keys::incarnation(prefix))
             .arg(prefix)
             .arg(&s.owner)
             .arg(uuid::Uuid::new_v4().to_string())

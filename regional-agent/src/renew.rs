@@ -14,6 +14,7 @@
 
 use crate::breaker::backoff;
 use crate::client::CallError;
+use crate::keys::Keys;
 use crate::quotas::{PolicyInfo, Quota, View, IDLE_EVICT};
 use crate::spend::COUNTER_TTL_MS;
 use crate::store::{Reply, StoreError, CREDIT, UNLOCK, VIEW};
@@ -54,7 +55,7 @@ fn heal_backoff(q: &Quota, not_before: Option<Instant>, reachable: bool) -> Opti
 /// Reads the policy other replicas cached in Redis.
 pub async fn load_policy(app: &AppState, q: &Quota) -> Option<PolicyInfo> {
     let m: HashMap<String, String> =
-        app.store.cmd(redis::cmd("HGETALL").arg(format!("{}pol", q.prefix))).await.ok()?;
+        app.store.cmd(redis::cmd("HGETALL").arg(Keys::policy(&q.prefix))).await.ok()?;
     let p = PolicyInfo::from_fields(&m)?;
     let mut cur = q.policy.lock().unwrap();
     if cur.is_none_or(|c| c.version < p.version) {
@@ -114,7 +115,7 @@ async fn retire_if_idle(app: &AppState, q: &Arc<Quota>, registry: &str, member: 
     }
     let ob = crate::keys::Keys::outbox(&q.prefix, &app.settings.agent);
     let outbox: Result<i64, _> = app.store.cmd(redis::cmd("LLEN").arg(&ob)).await;
-    let uncut: Result<i64, _> = app.store.cmd(redis::cmd("SCARD").arg(format!("{}dirty", q.prefix))).await;
+    let uncut: Result<i64, _> = app.store.cmd(redis::cmd("SCARD").arg(Keys::dirty(&q.prefix))).await;
     if !matches!((outbox, uncut), (Ok(0), Ok(0))) {
         return false;
     }
@@ -132,7 +133,7 @@ async fn view(app: &AppState, q: &Quota, lasting_ms: i64) -> Result<Option<(View
     let (window_secs, allowance) =
         q.policy().map(|p| (p.window_secs, p.fallback_allowance)).unwrap_or((1, 0));
     let mut inv = VIEW.prepare_invoke();
-    inv.key(format!("{}inc", q.prefix))
+    inv.key(Keys::incarnation(&q.prefix))
         .arg(&q.prefix)
         .arg(q.token())
         .arg(uuid::Uuid::new_v4().simple().to_string())
@@ -304,7 +305,7 @@ where
     F: FnOnce(AppState, Arc<Quota>) -> Fut,
     Fut: std::future::Future<Output = ()>,
 {
-    let lock = format!("{}lock", q.prefix);
+    let lock = Keys::renew_lock(&q.prefix);
     let holder = format!("{}:{}", app.settings.agent, uuid::Uuid::new_v4().simple());
     let ttl = (app.settings.allocator_timeout * 3).as_millis() as u64 + 500;
     let got: Option<String> =
@@ -425,7 +426,7 @@ async fn learn_policy(app: &AppState, q: &Quota, g: &GrantResponse) {
     };
     if changed {
         let mut cmd = redis::cmd("HSET");
-        cmd.arg(format!("{}pol", q.prefix));
+        cmd.arg(Keys::policy(&q.prefix));
         for (k, v) in p.to_fields() {
             cmd.arg(k).arg(v);
         }
@@ -452,7 +453,7 @@ async fn credit(
             let ttl = retry.min(1000);
             let _: Result<Option<String>, _> = app
                 .store
-                .cmd(redis::cmd("SET").arg(format!("{}exh", q.prefix)).arg(retry).arg("PX").arg(ttl))
+                .cmd(redis::cmd("SET").arg(Keys::exhausted(&q.prefix)).arg(retry).arg("PX").arg(ttl))
                 .await;
         }
         return "empty";
@@ -479,7 +480,7 @@ async fn credit(
         }
     }
     let mut inv = CREDIT.prepare_invoke();
-    inv.key(format!("{}inc", q.prefix))
+    inv.key(Keys::incarnation(&q.prefix))
         .arg(&q.prefix)
         .arg(q.token())
         .arg(g.epoch)

@@ -151,7 +151,7 @@ pub async fn run(rig: &Rig, plan: &Plan, out: &mut Results, progress: &dyn Fn(&s
         .map_err(|_| "connecting to Redis timed out".to_string())?
         .map_err(|e| format!("connecting to Redis: {e}"))?;
     let token: Option<String> = redis::cmd("GET")
-        .arg(format!("{prefix}inc"))
+        .arg(Keys::incarnation(&prefix))
         .query_async(&mut conn.clone())
         .await
         .map_err(|e| format!("reading the incarnation key: {e}"))?;
