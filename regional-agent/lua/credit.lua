@@ -44,5 +44,10 @@ redis.call('SET', P .. 'live:' .. id, '1', 'PX', life)
 local nb = tonumber(ARGV[9])
 if nb > 0 then redis.call('SET', P .. 'nb:' .. id, '1', 'PX', nb) end
 redis.call('ZADD', P .. 'idx', tonumber(ARGV[7]), id)
+-- The index lives as long as the books in it (F04), even when no view runs
+-- after this credit (an agent stopped right after it).
+if redis.call('PTTL', P .. 'idx') < tonumber(ARGV[10]) then
+  redis.call('PEXPIRE', P .. 'idx', tonumber(ARGV[10]))
+end
 redis.call('DEL', P .. 'exh')
 return {'ok'}
