@@ -34,7 +34,6 @@
 
 use crate::client::CallError;
 use crate::keys::Keys;
-use crate::quotas::Quota;
 use crate::store::{StoreError, CUT};
 use crate::AppState;
 use chrono::{TimeZone, Utc};
@@ -221,7 +220,7 @@ pub async fn drain_all(app: &AppState, until: Option<Instant>) -> i64 {
             stopped = true;
             break;
         }
-        match drain_quota(app, q, &me, true).await {
+        match drain_list(app, &q.prefix, &q.tenant, &q.resource, &me, true).await {
             Ok(n) => {
                 left += n;
                 failed_in_row = 0;
@@ -253,10 +252,6 @@ pub async fn drain_all(app: &AppState, until: Option<Instant>) -> i64 {
 
 /// Cuts (when `cut`) and sends one quota's list of `s.owner`; returns the
 /// entries left in it.
-async fn drain_quota(app: &AppState, q: &Quota, s: &Sender, cut: bool) -> Result<i64, StoreError> {
-    drain_list(app, &q.prefix, &q.tenant, &q.resource, s, cut).await
-}
-
 async fn drain_list(
     app: &AppState,
     prefix: &str,

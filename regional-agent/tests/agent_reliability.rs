@@ -23,6 +23,19 @@ fn outbox_key(tenant: &str, resource: &str, agent: &str) -> String {
     format!("q:{{{}:{tenant}/{}:{resource}}}:ob:{agent}", tenant.len(), resource.len())
 }
 
+/// Entries in eu-1's outboxes of the first `n` quotas of `names`.
+async fn outbox_entries(
+    conn: &mut redis::aio::MultiplexedConnection,
+    names: &[String],
+    n: usize,
+) -> redis::RedisResult<i64> {
+    let mut total = 0;
+    for q in names.iter().take(n) {
+        total += redis::cmd("LLEN").arg(outbox_key("atlas", q, "eu-1")).query_async::<i64>(conn).await?;
+    }
+    Ok(total)
+}
+
 async fn status(http: &Http) -> Value {
     http.get("/v1/status").await.expect(200).body
 }
@@ -339,17 +352,7 @@ async fn shutdown_is_bounded_with_redis_and_the_allocator_gone() {
     quota_tests::wait::until("entries in the outboxes", Duration::from_secs(20), || {
         let mut c = conn.clone();
         let names = names.clone();
-        async move {
-            let mut n = 0i64;
-            for q in names.iter().take(40) {
-                n += redis::cmd("LLEN")
-                    .arg(outbox_key("atlas", q, "eu-1"))
-                    .query_async::<i64>(&mut c)
-                    .await
-                    .ok()?;
-            }
-            (n > 0).then_some(())
-        }
+        async move { (outbox_entries(&mut c, &names, 40).await.ok()? > 0).then_some(()) }
     })
     .await;
     // Redis stops answering (SIGSTOP: connections hang) and the allocator
@@ -364,14 +367,7 @@ async fn shutdown_is_bounded_with_redis_and_the_allocator_gone() {
     assert!(exit.success(), "exited by itself: {exit}");
     assert!(took < Duration::from_secs(7), "stopped {took:?} after SIGTERM");
     // What it could not send is still in Redis for the region.
-    let mut left = 0i64;
-    for n in names.iter().take(40) {
-        left += redis::cmd("LLEN")
-            .arg(outbox_key("atlas", n, "eu-1"))
-            .query_async::<i64>(&mut conn)
-            .await
-            .expect("LLEN");
-    }
+    let left = outbox_entries(&mut conn, &names, 40).await.expect("LLEN");
     assert!(left > 0, "the unsent entries stayed in Redis");
     // A second signal ends a stop that is waiting at once.
     sw.heal();
@@ -388,14 +384,7 @@ async fn shutdown_is_bounded_with_redis_and_the_allocator_gone() {
     let b = AgentProc::spawn(bin(), AgentOpts::new("eu", "eu-1", &w.stack.alloc.base, &w.redis.url)).await;
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        let mut n = 0i64;
-        for q in names.iter().take(40) {
-            n += redis::cmd("LLEN")
-                .arg(outbox_key("atlas", q, "eu-1"))
-                .query_async::<i64>(&mut conn)
-                .await
-                .expect("LLEN");
-        }
+        let n = outbox_entries(&mut conn, &names, 40).await.expect("LLEN");
         if n == 0 {
             break;
         }
