@@ -30,6 +30,7 @@
 //!   the outboxes of gone agents, refusals classified, dead letters.
 //! * [`fallback`]: the opt-in local allowance while Redis is unreachable.
 //! * [`health`]: `/v1/status`, `/healthz`, `/readyz`, `/metrics`.
+//! * [`status_report`]: the status sent to the allocator's fleet pages.
 //! * [`error`]: the one error enum and its mapping to HTTP.
 //!
 //! # Behaviour where DESIGN is silent
@@ -148,6 +149,7 @@ pub mod redis_tls;
 pub mod renew;
 pub mod sentinel;
 pub mod spend;
+pub mod status_report;
 pub mod store;
 
 use crate::client::AllocatorClient;
@@ -195,6 +197,8 @@ pub struct App {
     pub guard: guard::Guard,
     /// Identities adopted for gone agents' outboxes, and the retry state.
     pub outboxes: outbox::Outboxes,
+    /// Per-window refusal counts and the outbox depth for the allocator's fleet pages.
+    pub fleet_status: status_report::FleetStatus,
     /// Stops the background tasks.
     pub cancel: CancellationToken,
     tasks: Mutex<Vec<JoinHandle<()>>>,
@@ -224,6 +228,7 @@ impl App {
         health::describe(&metrics);
         guard::describe(&metrics);
         gauges::describe(&metrics);
+        status_report::describe(&metrics);
         let clock: Arc<dyn Clock> = match settings.test_clock_offset_ms {
             0 => Arc::new(SystemClock),
             ms => {
@@ -246,6 +251,7 @@ impl App {
             alloc_time: Mutex::new(None),
             guard: guard::Guard::default(),
             outboxes: outbox::Outboxes::default(),
+            fleet_status: status_report::FleetStatus::default(),
             cancel: CancellationToken::new(),
             tasks: Mutex::new(Vec::new()),
         }))
@@ -405,6 +411,9 @@ pub async fn run(
     app.spawn(guard::run(app.clone()));
     app.spawn(epoch::run(app.clone()));
     app.spawn(outbox::run(app.clone()));
+    if let Some(every) = app.settings.status_interval {
+        app.spawn(status_report::run(app.clone(), every));
+    }
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let mut server = tokio::spawn(
         axum::serve(listener, router(app.clone()))

@@ -15,7 +15,8 @@ pub mod extract;
 pub mod metrics;
 
 use crate::{
-    agents, explain, fleet, grants, health, leases, ledger, openapi, policies, reports, ui, windows, AppState, Error,
+    agents, explain, fleet, grants, health, leases, ledger, openapi, policies, reports, ui, windows,
+    AppState, Error,
 };
 use axum::extract::{DefaultBodyLimit, Request};
 use axum::middleware::from_fn_with_state;

@@ -1,6 +1,7 @@
 -- For the first $2 quotas by tenant and resource (as policy_list.sql), the
 -- pool of the window open at $1 (Unix seconds, on the database clock) with
--- its regions' admits summed: the open-window columns of the /ui index.
+-- its regions' admits summed and the regions that admitted from their
+-- fallback allowance: the open-window columns of the /ui index.
 -- Quotas without a pool in that window have no row.
 with p as (
     select tenant, resource, window_secs, $1 - $1 % window_secs as open_start
@@ -11,7 +12,8 @@ with p as (
 select o.tenant, o.resource, o.window_start, o.limit_tokens, o.fallback_per_region,
        count(r.region)::bigint as regions,
        coalesce(sum(r.consumed), 0)::bigint as consumed,
-       coalesce(sum(r.fallback_admitted), 0)::bigint as fallback_admitted
+       coalesce(sum(r.fallback_admitted), 0)::bigint as fallback_admitted,
+       coalesce(array_agg(r.region order by r.region) filter (where r.fallback_admitted > 0), '{}') as fallback_regions
 from p
 join pool o
   on o.tenant = p.tenant and o.resource = p.resource

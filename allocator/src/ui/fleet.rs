@@ -5,6 +5,11 @@
 //!
 //! Admits come from the allocator's own accounting (the agents' reports);
 //! modes and refusal counts from the agents' statuses ([`crate::fleet`]).
+//! A region is in fallback when it admitted from its fallback allowance in
+//! the open window (reported once its partition healed) or when a fresh
+//! status of one of its agents says so (an agent that cannot reach the
+//! allocator cannot send a status either, so the accounting is what shows
+//! a partition after the fact).
 //! A status older than [`STALE_AFTER_SECS`] (database clock) is stale: its
 //! agent is marked on the regions page and its modes no longer put a region
 //! in fallback, while its counts still count for the window they name.
@@ -76,7 +81,8 @@ pub struct OpenWindow {
     pub admitted: i64,
     pub limit: i64,
     pub bound: i64,
-    /// Regions with a fresh agent in fallback (or strict) mode for the quota.
+    /// Regions that admitted from fallback in the window, or with a fresh
+    /// agent in fallback mode (strict: refusing) for the quota.
     pub fallback_regions: BTreeSet<String>,
     pub strict_regions: BTreeSet<String>,
     /// 429 and 503 answers the agents counted in the open window.
@@ -93,6 +99,7 @@ struct PoolRow {
     regions: i64,
     consumed: i64,
     fallback_admitted: i64,
+    fallback_regions: Vec<String>,
 }
 
 /// Adds the agents' statuses to the open windows: modes from fresh
@@ -163,6 +170,7 @@ pub async fn open_windows(
         );
         if let Some(w) = open.get_mut(&(p.tenant, p.resource)) {
             (w.admitted, w.limit, w.bound) = (admitted, p.limit_tokens, v.bound);
+            w.fallback_regions.extend(p.fallback_regions);
         }
     }
     let statuses = fleet::latest(&state.db, MAX_AGENTS).await?;
@@ -175,12 +183,7 @@ pub fn cells(tenant: &str, resource: &str, w: &OpenWindow) -> String {
     let (t, r) = (escape(tenant), escape(resource));
     let regions = |set: &BTreeSet<String>, suffix: &str| {
         set.iter()
-            .map(|g| {
-                format!(
-                    "<a href=\"/v1/explain/{t}/{r}?region={g}\">{g}</a>{suffix}",
-                    g = escape(g)
-                )
-            })
+            .map(|g| format!("<a href=\"/v1/explain/{t}/{r}?region={g}\">{g}</a>{suffix}", g = escape(g)))
             .collect::<Vec<_>>()
     };
     let mut listed = regions(&w.fallback_regions, "");
@@ -191,7 +194,7 @@ pub fn cells(tenant: &str, resource: &str, w: &OpenWindow) -> String {
         "<td data-field=\"admitted\">{}</td><td data-field=\"bound\">{}</td><td>{}</td>\
          <td class=\"l\" data-field=\"fallback_regions\">{}</td>\
          <td data-field=\"refused_429\">{}</td><td data-field=\"refused_503\">{}</td>\
-         <td class=\"l\"><a href=\"/ui/quotas/{t}/{r}\">chart</a> · <a href=\"/v1/windows/{t}/{r}\">windows</a>\
+         <td class=\"l\"><a href=\"/ui/quotas/{t}/{r}\">chart</a> · <a href=\"/v1/windows/{t}/{r}\">windows</a> \
          · <a href=\"/v1/policies/{t}/{r}/versions\">versions</a></td>",
         w.admitted,
         w.bound,
@@ -265,7 +268,8 @@ pub(crate) async fn regions(State(state): State<AppState>) -> Result<Html<String
         body.push_str("<p>No agent has sent a status yet.</p>");
     }
     if cut {
-        let _ = write!(body, "<p id=\"cut\">Only the first {MAX_AGENTS} agents by region and id are shown.</p>");
+        let _ =
+            write!(body, "<p id=\"cut\">Only the first {MAX_AGENTS} agents by region and id are shown.</p>");
     }
     Ok(page("Agents by region", &body))
 }
