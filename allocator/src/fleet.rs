@@ -122,7 +122,7 @@ pub(crate) async fn put_status(
             region: Some(region),
             agent: Some(agent),
             epoch: Some(req.epoch),
-            detail: Some(serde_json::json!({"status": true})),
+            detail: Some(serde_json::json!({"call": "status"})),
             ..Default::default()
         };
         agents::record_refusal(&state, &e, event).await?;

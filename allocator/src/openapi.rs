@@ -207,4 +207,21 @@ mod tests {
         assert_eq!(spec["window_secs"]["maximum"], 86400.0, "{spec}");
         assert_eq!(spec["fallback_per_region"]["minimum"], 0.0, "{spec}");
     }
+
+    #[test]
+    fn the_agent_status_route_documents_its_answers_and_bounds() {
+        let doc = serde_json::to_value(ApiDoc::openapi()).expect("json");
+        let op = &doc["paths"]["/v1/agents/{region}/{agent}/status"]["put"];
+        for code in ["204", "400", "401", "403", "404", "409", "413", "415", "422", "503"] {
+            assert!(op["responses"][code].is_object(), "{code}: {op}");
+        }
+        let body = &doc["components"]["schemas"]["AgentStatusReport"]["properties"];
+        assert_eq!(body["quotas"]["maxItems"], crate::fleet::MAX_QUOTAS, "{body}");
+        assert_eq!(body["epoch"]["minimum"], 1.0, "{body}");
+        assert_eq!(body["dead_letters"]["minimum"], 0.0, "{body}");
+        let quota = &doc["components"]["schemas"]["AgentQuotaStatus"]["properties"];
+        assert_eq!(quota["tenant"]["pattern"], quota_shared::openapi::ID_PATTERN, "{quota}");
+        assert_eq!(quota["unavailable"]["minimum"], 0.0, "{quota}");
+        assert!(doc["paths"]["/ui/regions"]["get"]["responses"]["200"].is_object());
+    }
 }
