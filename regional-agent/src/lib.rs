@@ -129,6 +129,11 @@
 //!   old one is unknown); the request answers 503 and the next one reaches
 //!   the new primary. What the promoted replica had not received is a
 //!   rollback, detected by the spend script.
+//! * **Status for operators**: every `--status-interval-ms` (2 s) the agent
+//!   sends the allocator its epoch, reachability, outbox depth, dead letters
+//!   and per quota its mode and 429/503 answers of the open window
+//!   (`PUT /v1/agents/{region}/{agent}/status`, see [`status_report`]),
+//!   around the circuit breaker, so this call never changes how it admits.
 //! * The agent's own endpoints have no authentication (it is a sidecar);
 //!   it warns when listening on a non-loopback address.
 

@@ -12,7 +12,7 @@
 //! on the request path waits for it. A `409 stale_epoch` asks for a new
 //! registration, like any fenced call.
 //!
-//! The per-window counts live in memory ([`Refusals`]): at most
+//! The per-window counts live in memory ([`FleetStatus`]): at most
 //! [`MAX_COUNTED`] quotas, only quotas with a known policy (the request
 //! path's unknown names never make an entry), and entries of quotas that
 //! left the registry go at the next status.
