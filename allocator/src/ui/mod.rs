@@ -92,7 +92,7 @@ pub(crate) async fn index(State(state): State<AppState>) -> Result<Html<String>>
         "<p><a href=\"/ui/regions\">agents by region</a></p>\
          <table id=\"quotas\"><tr><th>quota</th><th>limit</th><th>window (s)</th><th>fail mode</th>\
          <th>fallback / region</th><th>version</th><th>updated</th><th>admitted (open window)</th>\
-         <th>bound</th><th>admitted / limit / bound</th><th>regions in fallback</th><th>429</th><th>503</th>\
+         <th>bound</th><th>admitted / limit / bound</th><th>regions in fallback</th><th>429 (open window)</th><th>503 (open window)</th>\
          <th>links</th></tr>",
     );
     for p in &rows {
