@@ -11,6 +11,7 @@
 //! * [`error`]: the one error enum and its mapping to status and JSON.
 //! * [`policies`]: versioned policies; changes apply to open windows (I9).
 //! * [`agents`]: registration and epochs (I4).
+//! * [`fleet`]: each agent's latest self-reported status (for `/ui`).
 //! * [`grants`]: the grant transaction (I1, I2, I3, I4).
 //! * [`share`]: the demand-weighted share arithmetic (DESIGN §4).
 //! * [`leases`]: releases and lease reads.
@@ -32,6 +33,7 @@ pub mod agents;
 pub mod config;
 pub mod error;
 pub mod explain;
+pub mod fleet;
 pub mod grants;
 pub mod health;
 pub mod http;

@@ -3,7 +3,7 @@
 //! types, so the document cannot drift from the handlers' types. It is
 //! public: it describes the API, not any data.
 
-use crate::{agents, explain, grants, health, leases, ledger, policies, reports, ui, windows};
+use crate::{agents, explain, fleet, grants, health, leases, ledger, policies, reports, ui, windows};
 use axum::routing::get;
 use axum::{Json, Router};
 use quota_shared::openapi::IdentifierPatterns;
@@ -19,6 +19,7 @@ use utoipa::{Modify, OpenApi};
         policies::get_policy,
         policies::list_versions,
         agents::register,
+        fleet::put_status,
         grants::grant,
         leases::release,
         leases::get_lease,
@@ -31,6 +32,7 @@ use utoipa::{Modify, OpenApi};
         health::metrics,
         ui::index,
         ui::quota,
+        ui::fleet::regions,
         openapi_json,
     ),
     modifiers(&BearerTokens, &CommonErrors, &IdentifierPatterns, &RequestBounds),
@@ -121,7 +123,7 @@ impl Modify for RequestBounds {
         use utoipa::Number;
         let max = Number::Float(MAX_COUNT as f64);
         let day = Number::Float(86_400.0);
-        let bounds: [(&str, &str, f64, &Number); 15] = [
+        let bounds: [(&str, &str, f64, &Number); 21] = [
             ("PolicySpec", "limit", 1.0, &max),
             ("PolicySpec", "window_secs", 1.0, &day),
             ("PolicySpec", "chunk_min", 1.0, &max),
@@ -137,6 +139,12 @@ impl Modify for RequestBounds {
             ("ReportRequest", "epoch", 1.0, &max),
             ("ReportItem", "consumed", 0.0, &max),
             ("ReportItem", "fallback_admitted", 0.0, &max),
+            ("AgentStatusReport", "epoch", 1.0, &max),
+            ("AgentStatusReport", "outbox_depth", 0.0, &max),
+            ("AgentStatusReport", "quotas_total", 0.0, &max),
+            ("AgentStatusReport", "dead_letters", 0.0, &max),
+            ("AgentQuotaStatus", "quota_exhausted", 0.0, &max),
+            ("AgentQuotaStatus", "unavailable", 0.0, &max),
         ];
         let Some(components) = openapi.components.as_mut() else { return };
         for (schema, prop, min, max) in bounds {
@@ -144,6 +152,11 @@ impl Modify for RequestBounds {
             if let Some(RefOr::T(Schema::Object(p))) = o.properties.get_mut(prop) {
                 p.minimum = Some(Number::Float(min));
                 p.maximum = Some(max.clone());
+            }
+        }
+        if let Some(RefOr::T(Schema::Object(o))) = components.schemas.get_mut("AgentStatusReport") {
+            if let Some(RefOr::T(Schema::Array(a))) = o.properties.get_mut("quotas") {
+                a.max_items = Some(crate::fleet::MAX_QUOTAS);
             }
         }
     }
@@ -193,5 +206,22 @@ mod tests {
         let spec = &doc["components"]["schemas"]["PolicySpec"]["properties"];
         assert_eq!(spec["window_secs"]["maximum"], 86400.0, "{spec}");
         assert_eq!(spec["fallback_per_region"]["minimum"], 0.0, "{spec}");
+    }
+
+    #[test]
+    fn the_agent_status_route_documents_its_answers_and_bounds() {
+        let doc = serde_json::to_value(ApiDoc::openapi()).expect("json");
+        let op = &doc["paths"]["/v1/agents/{region}/{agent}/status"]["put"];
+        for code in ["204", "400", "401", "403", "404", "409", "413", "415", "422", "503"] {
+            assert!(op["responses"][code].is_object(), "{code}: {op}");
+        }
+        let body = &doc["components"]["schemas"]["AgentStatusReport"]["properties"];
+        assert_eq!(body["quotas"]["maxItems"], crate::fleet::MAX_QUOTAS, "{body}");
+        assert_eq!(body["epoch"]["minimum"], 1.0, "{body}");
+        assert_eq!(body["dead_letters"]["minimum"], 0.0, "{body}");
+        let quota = &doc["components"]["schemas"]["AgentQuotaStatus"]["properties"];
+        assert_eq!(quota["tenant"]["pattern"], quota_shared::openapi::ID_PATTERN, "{quota}");
+        assert_eq!(quota["unavailable"]["minimum"], 0.0, "{quota}");
+        assert!(doc["paths"]["/ui/regions"]["get"]["responses"]["200"].is_object());
     }
 }

@@ -23,6 +23,9 @@
 //!   and a registration of an unknown agent starts above it, so no epoch of
 //!   a `(region, agent)` ever repeats or goes backwards (I4). Keeping every
 //!   agent's own epoch instead would keep one row per pod name ever seen.
+//! * an agent's status (the fleet pages' row, see [`crate::fleet`]) is
+//!   deleted once it was not refreshed for longer than the horizon; nothing
+//!   decides on it, and a live agent writes it again within seconds.
 //!
 //! Batches bound each statement's lock footprint and WAL burst; the pause
 //! between batches leaves the database to the grants. Cutoffs come from the
@@ -78,6 +81,7 @@ pub struct Purged {
     pub reports: u64,
     pub pools: u64,
     pub agents: u64,
+    pub agent_statuses: u64,
 }
 
 /// One kind of row the job deletes.
@@ -88,6 +92,7 @@ enum Step<'a> {
     Reports,
     Pools,
     Agents { region: &'a str },
+    AgentStatuses,
 }
 
 /// Deletes one batch of `step`'s rows older than `cutoff` (pools: whose
@@ -109,6 +114,10 @@ async fn one_batch(db: &PgPool, step: Step<'_>, cutoff: DateTime<Utc>, batch: i6
         Step::Pools => {
             let q = sqlx::query(include_str!("sql/retention_pool.sql"));
             q.bind(cutoff.timestamp()).bind(batch).execute(db).await?.rows_affected()
+        }
+        Step::AgentStatuses => {
+            let q = sqlx::query(include_str!("sql/retention_agent_status.sql"));
+            q.bind(cutoff).bind(batch).execute(db).await?.rows_affected()
         }
         Step::Agents { region } => {
             let mut tx = db.begin().await?;
@@ -150,6 +159,7 @@ pub async fn purge(db: &PgPool, now: DateTime<Utc>, cfg: &Retention) -> Result<P
         ledger_events: batches(db, Step::LedgerEvents, cutoff, cfg).await?,
         leases: batches(db, Step::Leases, cutoff, cfg).await?,
         reports: batches(db, Step::Reports, cutoff, cfg).await?,
+        agent_statuses: batches(db, Step::AgentStatuses, cutoff, cfg).await?,
         ..Purged::default()
     };
     if let Some(wh) = cfg.window_horizon {
@@ -182,6 +192,7 @@ pub async fn run(db: PgPool, clock: DbClock, cfg: Retention) {
                 reports = p.reports,
                 pools = p.pools,
                 agents = p.agents,
+                agent_statuses = p.agent_statuses,
                 "retention purged rows"
             ),
             Ok(_) => {}

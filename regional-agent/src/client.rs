@@ -12,8 +12,8 @@
 
 use crate::breaker::Breaker;
 use quota_shared::wire::{
-    ErrorBody, GrantRequest, GrantResponse, LeaseView, RegisterRequest, RegisterResponse, ReleaseRequest,
-    ReportRequest, ReportResponse,
+    AgentStatusReport, ErrorBody, GrantRequest, GrantResponse, LeaseView, RegisterRequest, RegisterResponse,
+    ReleaseRequest, ReportRequest, ReportResponse,
 };
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer};
@@ -251,5 +251,32 @@ impl AllocatorClient {
     /// `POST /v1/reports`.
     pub async fn report(&self, req: &ReportRequest) -> Result<ReportResponse, CallError> {
         self.post("/v1/reports", req).await
+    }
+
+    /// `PUT /v1/agents/{region}/{agent}/status`, outside the breaker: the
+    /// status is for operators, so neither its failure nor its success may
+    /// change whether spending counts the allocator as reachable.
+    pub async fn put_status(
+        &self,
+        region: &str,
+        agent: &str,
+        body: &AgentStatusReport,
+    ) -> Result<(), CallError> {
+        let mut rb = self.http.put(format!("{}/v1/agents/{region}/{agent}/status", self.base)).json(body);
+        if let Some(t) = &self.token {
+            rb = rb.bearer_auth(t);
+        }
+        let resp = rb.send().await.map_err(|e| CallError::Unreachable(describe(e)))?;
+        let status = resp.status();
+        if status.is_success() {
+            return Ok(());
+        }
+        if status.is_server_error() || status.as_u16() == 408 {
+            return Err(CallError::Unreachable(format!("status {status}")));
+        }
+        let body: Option<ErrorBody> = resp.json().await.ok();
+        let (code, message) =
+            body.map(|b| (b.error, b.message)).unwrap_or_else(|| ("unknown".into(), String::new()));
+        Err(CallError::Refused { status: status.as_u16(), code, message, item: None })
     }
 }

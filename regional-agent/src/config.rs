@@ -92,6 +92,12 @@ pub struct Config {
     #[arg(long, env = "AGENT_OUTBOX_INTERVAL_MS", default_value_t = 200)]
     pub outbox_interval_ms: u64,
 
+    /// How often the agent sends its status (epoch, reachability, outbox
+    /// depth, dead letters, per quota its mode and 429/503 counts) to the
+    /// allocator's fleet pages, ms; 0 sends none.
+    #[arg(long, env = "AGENT_STATUS_INTERVAL_MS", default_value_t = 2000)]
+    pub status_interval_ms: u64,
+
     /// `text` or `json`.
     #[arg(long, env = "LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
@@ -161,6 +167,8 @@ pub struct Settings {
     pub redis_timeout: Duration,
     pub acquire_wait: Duration,
     pub outbox_interval: Duration,
+    /// `None`: no status is sent (`--status-interval-ms 0`).
+    pub status_interval: Option<Duration>,
     pub test_clock_offset_ms: i64,
     /// TLS settings of the allocator link.
     pub allocator_tls: TlsFiles,
@@ -343,6 +351,8 @@ impl Config {
             redis_timeout: Duration::from_millis(self.redis_timeout_ms.max(1)),
             acquire_wait: Duration::from_millis(self.acquire_wait_ms),
             outbox_interval: Duration::from_millis(self.outbox_interval_ms.max(10)),
+            status_interval: (self.status_interval_ms > 0)
+                .then(|| Duration::from_millis(self.status_interval_ms.max(100))),
             test_clock_offset_ms: self.test_clock_offset_ms,
             allocator_tls: self.allocator_tls()?,
             redis_tls,

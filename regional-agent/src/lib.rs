@@ -30,6 +30,7 @@
 //!   the outboxes of gone agents, refusals classified, dead letters.
 //! * [`fallback`]: the opt-in local allowance while Redis is unreachable.
 //! * [`health`]: `/v1/status`, `/healthz`, `/readyz`, `/metrics`.
+//! * [`status_report`]: the status sent to the allocator's fleet pages.
 //! * [`error`]: the one error enum and its mapping to HTTP.
 //!
 //! # Behaviour where DESIGN is silent
@@ -128,6 +129,11 @@
 //!   old one is unknown); the request answers 503 and the next one reaches
 //!   the new primary. What the promoted replica had not received is a
 //!   rollback, detected by the spend script.
+//! * **Status for operators**: every `--status-interval-ms` (2 s) the agent
+//!   sends the allocator its epoch, reachability, outbox depth, dead letters
+//!   and per quota its mode and 429/503 answers of the open window
+//!   (`PUT /v1/agents/{region}/{agent}/status`, see [`status_report`]),
+//!   around the circuit breaker, so this call never changes how it admits.
 //! * The agent's own endpoints have no authentication (it is a sidecar);
 //!   it warns when listening on a non-loopback address.
 
@@ -148,6 +154,7 @@ pub mod redis_tls;
 pub mod renew;
 pub mod sentinel;
 pub mod spend;
+pub mod status_report;
 pub mod store;
 
 use crate::client::AllocatorClient;
@@ -195,6 +202,8 @@ pub struct App {
     pub guard: guard::Guard,
     /// Identities adopted for gone agents' outboxes, and the retry state.
     pub outboxes: outbox::Outboxes,
+    /// Per-window refusal counts and the outbox depth for the allocator's fleet pages.
+    pub fleet_status: status_report::FleetStatus,
     /// Stops the background tasks.
     pub cancel: CancellationToken,
     tasks: Mutex<Vec<JoinHandle<()>>>,
@@ -224,6 +233,7 @@ impl App {
         health::describe(&metrics);
         guard::describe(&metrics);
         gauges::describe(&metrics);
+        status_report::describe(&metrics);
         let clock: Arc<dyn Clock> = match settings.test_clock_offset_ms {
             0 => Arc::new(SystemClock),
             ms => {
@@ -246,6 +256,7 @@ impl App {
             alloc_time: Mutex::new(None),
             guard: guard::Guard::default(),
             outboxes: outbox::Outboxes::default(),
+            fleet_status: status_report::FleetStatus::default(),
             cancel: CancellationToken::new(),
             tasks: Mutex::new(Vec::new()),
         }))
@@ -405,6 +416,9 @@ pub async fn run(
     app.spawn(guard::run(app.clone()));
     app.spawn(epoch::run(app.clone()));
     app.spawn(outbox::run(app.clone()));
+    if let Some(every) = app.settings.status_interval {
+        app.spawn(status_report::run(app.clone(), every));
+    }
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let mut server = tokio::spawn(
         axum::serve(listener, router(app.clone()))

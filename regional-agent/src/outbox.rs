@@ -238,6 +238,7 @@ pub async fn drain_all(app: &AppState, until: Option<Instant>) -> i64 {
         left = left.max(1);
     } else {
         app.metrics.set("agent_outbox_depth", &[], left as f64);
+        app.fleet_status.set_outbox_depth(left);
     }
     left += drain_local(app, epoch).await;
     // The agent's quota set lives as long as the agent does, plus the

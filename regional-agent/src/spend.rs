@@ -154,6 +154,7 @@ pub(crate) async fn acquire(
     rate_limit_headers(resp.headers_mut(), &name, policy, remaining, now);
     app.metrics.inc("agent_acquire_total", &[("outcome", outcome)]);
     crate::gauges::count_refusal(&app.metrics, &name, policy.is_some(), outcome);
+    app.fleet_status.count(&name, policy, outcome, app.allocator_now());
     app.metrics.observe("agent_acquire_seconds", &[], started.elapsed().as_secs_f64());
     resp
 }

@@ -270,3 +270,55 @@ pub struct ErrorBody {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub item: Option<usize>,
 }
+
+/// A quota's mode as an agent sees it (`GET /v1/status` of the agent).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "service", derive(utoipa::ToSchema))]
+#[serde(rename_all = "lowercase")]
+pub enum QuotaMode {
+    /// Spending leases.
+    Leased,
+    /// The allocator is unreachable; admitting from the fallback allowance.
+    Fallback,
+    /// The allocator is unreachable; strict fail mode refuses.
+    Strict,
+    /// The allocator said the pool is empty.
+    Exhausted,
+}
+
+/// One quota in an agent's status: its mode, and the acquires this agent
+/// answered 429 and 503 in the window starting at `window_start`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[cfg_attr(feature = "service", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct AgentQuotaStatus {
+    pub tenant: String,
+    pub resource: String,
+    pub mode: QuotaMode,
+    /// The window the two counts are of (the agent's view of the open one).
+    pub window_start: DateTime<Utc>,
+    /// Acquires answered `429 quota_exhausted` in that window.
+    pub quota_exhausted: i64,
+    /// Acquires answered 503 (`allocator_unreachable`, `store_unavailable`) in that window.
+    pub unavailable: i64,
+}
+
+/// `PUT /v1/agents/{region}/{agent}/status` body: what an agent says about
+/// itself, every few seconds, for the allocator's fleet pages.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[cfg_attr(feature = "service", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct AgentStatusReport {
+    pub epoch: i64,
+    /// Whether the agent's circuit breaker counts the allocator as reachable.
+    pub allocator_reachable: bool,
+    /// Outbox entries waiting for the allocator (as of the last drain round).
+    pub outbox_depth: i64,
+    /// Entries in the region's dead-letter list; null when unreadable.
+    #[serde(default)]
+    pub dead_letters: Option<i64>,
+    /// Quotas the agent holds (the list below may be cut).
+    pub quotas_total: i64,
+    /// At most 200 quotas: those with refusals or not leased first.
+    pub quotas: Vec<AgentQuotaStatus>,
+}

@@ -17,9 +17,11 @@
 //! * [`http`]: a JSON client that returns status, headers and body.
 //! * [`wait`]: polling a condition with a deadline instead of sleeping.
 //! * [`tls`]: certificates made per test (rcgen) and a rustls probe client.
+//! * [`chromium`]: headless Chromium rendering the `/ui` pages.
 
 pub mod agent;
 pub mod app;
+pub mod chromium;
 pub mod fixtures;
 pub mod http;
 pub mod pg;

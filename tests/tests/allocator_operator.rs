@@ -406,6 +406,7 @@ const ROUTES: &[(&str, &str, Class)] = &[
     ("post", "/v1/grants", Class::Agent),
     ("post", "/v1/leases/{lease_id}/release", Class::Agent),
     ("post", "/v1/reports", Class::Agent),
+    ("put", "/v1/agents/{region}/{agent}/status", Class::Agent),
     ("put", "/v1/policies/{tenant}/{resource}", Class::Admin),
     ("get", "/v1/policies/{tenant}/{resource}", Class::Admin),
     ("get", "/v1/policies/{tenant}/{resource}/versions", Class::Admin),
@@ -415,6 +416,7 @@ const ROUTES: &[(&str, &str, Class)] = &[
     ("get", "/v1/explain/{tenant}/{resource}", Class::Admin),
     ("get", "/ui", Class::Admin),
     ("get", "/ui/quotas/{tenant}/{resource}", Class::Admin),
+    ("get", "/ui/regions", Class::Admin),
     ("get", "/healthz", Class::Public),
     ("get", "/readyz", Class::Public),
     ("get", "/metrics", Class::Public),
@@ -429,8 +431,12 @@ enum Class {
 }
 
 async fn call(http: &Http, method: &str, template: &str, lease_id: &str, epoch: i64) -> Resp {
-    let path =
-        template.replace("{tenant}", "atlas").replace("{resource}", "read").replace("{lease_id}", lease_id);
+    let path = template
+        .replace("{tenant}", "atlas")
+        .replace("{resource}", "read")
+        .replace("{lease_id}", lease_id)
+        .replace("{region}", "eu")
+        .replace("{agent}", "eu-1");
     let path = if path.starts_with("/v1/explain") { format!("{path}?region=eu") } else { path };
     match (method, template) {
         ("post", "/v1/agents/register") => http.post(&path, &json!({"region": "eu", "agent": "eu-9"})).await,
@@ -441,6 +447,11 @@ async fn call(http: &Http, method: &str, template: &str, lease_id: &str, epoch: 
             http.post(&path, &report_body("eu", epoch, "auth-r", &json!("2026-12-02T10:00:00Z"), 0, 0)).await
         }
         ("post", _) => http.post(&path, &json!({"epoch": epoch, "unspent": 0})).await,
+        ("put", "/v1/agents/{region}/{agent}/status") => {
+            let status = json!({"epoch": epoch, "allocator_reachable": true, "outbox_depth": 0,
+                "quotas_total": 0, "quotas": []});
+            http.put(&path, &status).await
+        }
         ("put", _) => http.put(&path, &json!({"limit": 100, "window_secs": 60})).await,
         _ => http.get(&path).await,
     }

@@ -1,7 +1,7 @@
 //! Per-region agent credentials (DESIGN §5 Security): a token from
 //! `--agent-tokens-file`, or a client certificate naming `region:<r>`, acts
 //! only for its region. Every agent route (register, grant, release,
-//! report) is tried with the right region's token (2xx), another region's
+//! report, status) is tried with the right region's token (2xx), another region's
 //! (403 wrong_region, nothing changed, a `refused` ledger event), the shared
 //! `QUOTA_AGENT_TOKEN` (2xx) and no token (401).
 
@@ -95,6 +95,17 @@ async fn region_tokens_act_only_for_their_region_on_every_agent_route() {
     shared.post("/v1/reports", &report_body("us", us_epoch, "us-r1", &ws, 6, 0)).await.expect(200);
     assert_eq!(none.post("/v1/reports", &report_body("eu", eu_epoch, "eu-r2", &ws, 1, 0)).await.status, 401);
 
+    // status: the path names the region
+    let status = |epoch: i64| json!({"epoch": epoch, "allocator_reachable": true, "outbox_depth": 0, "quotas_total": 0, "quotas": []});
+    let r = eu.put("/v1/agents/us/us-1/status", &status(us_epoch)).await;
+    assert_eq!((r.status, r.error()), (403, "wrong_region"), "{}", r.body);
+    let stored = "select count(*) from agent_status";
+    let n: i64 = sqlx::query_scalar(stored).fetch_one(&alloc.state.db).await.unwrap();
+    assert_eq!(n, 0, "a wrong_region status was stored");
+    eu.put("/v1/agents/eu/eu-1/status", &status(eu_epoch)).await.expect(204);
+    shared.put("/v1/agents/us/us-1/status", &status(us_epoch)).await.expect(204);
+    assert_eq!(none.put("/v1/agents/eu/eu-1/status", &status(eu_epoch)).await.status, 401);
+
     // The refusals are in the operator's ledger with their reason.
     let ledger = admin.get("/v1/ledger?region=us").await.expect(200).body;
     let reasons: Vec<_> = ledger["events"]
@@ -104,7 +115,7 @@ async fn region_tokens_act_only_for_their_region_on_every_agent_route() {
         .filter(|e| e["kind"] == "refused")
         .map(|e| e["reason"].as_str().unwrap_or_default().to_string())
         .collect();
-    assert_eq!(reasons, ["wrong_region"; 4], "{ledger}");
+    assert_eq!(reasons, ["wrong_region"; 5], "{ledger}");
 
     // The file is re-read when it changes: a rotated token works, the old
     // one no longer does, and a malformed version keeps the one in force.

@@ -5,51 +5,14 @@
 
 use quota_shared::clock::OffsetClock;
 use quota_tests::app::{Options, TestAllocator};
+use quota_tests::chromium::{self, run as run_chromium};
 use quota_tests::fixtures::operator_scenario;
 use quota_tests::http::Http;
-use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
-
-fn chromium() -> PathBuf {
-    ["chromium", "chromium-browser", "google-chrome"]
-        .iter()
-        .find_map(|name| quota_tests::procs::find_binary(name, &[]))
-        .unwrap_or_else(|| {
-            panic!(
-                "headless Chromium not found: install the Debian package `chromium` \
-                 (apt-get install -y --no-install-recommends chromium); .ci/run installs it when missing"
-            )
-        })
-}
-
-/// Runs headless Chromium with `args` then `url`, returning stdout.
-async fn run_chromium(bin: &Path, profile: &Path, args: &[String], url: &str) -> String {
-    let mut cmd = tokio::process::Command::new(bin);
-    cmd.args([
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-dev-shm-usage",
-        "--disable-background-networking",
-        "--no-first-run",
-        "--hide-scrollbars",
-    ])
-    .arg(format!("--user-data-dir={}", profile.display()))
-    .args(args)
-    .arg(url)
-    .kill_on_drop(true);
-    let out = tokio::time::timeout(Duration::from_secs(90), cmd.output())
-        .await
-        .expect("chromium finished within 90 s")
-        .expect("chromium started");
-    assert!(out.status.success(), "chromium failed: {}", String::from_utf8_lossy(&out.stderr));
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dashboard_renders_in_headless_chromium_with_the_scenario_numbers() {
-    let bin = chromium();
+    let bin = chromium::binary();
     let db = quota_tests::pg::TestDb::start().await;
     let clock = Arc::new(OffsetClock::default());
     // No tokens: the dashboard is open on loopback, so Chromium needs no header.
@@ -71,12 +34,8 @@ async fn dashboard_renders_in_headless_chromium_with_the_scenario_numbers() {
     assert!(dom.contains("<svg id=\"chart\""), "the chart is inline SVG: {dom}");
     assert!(dom.contains("class=\"bound\"") && dom.contains("class=\"limit\""), "{dom}");
     assert!(dom.contains("http-equiv=\"refresh\""), "{dom}");
-    let row = |start: &str| {
-        let key = format!("<tr data-window=\"{start}\">");
-        let from = dom.find(&key).unwrap_or_else(|| panic!("no row for {start}: {dom}"));
-        let to = dom[from..].find("</tr>").unwrap() + from;
-        dom[from..to].to_string()
-    };
+    let row =
+        |start: &str| chromium::element(&dom, &format!("<tr data-window=\"{start}\">"), "</tr>").to_string();
     let w0 = row("2026-12-02T10:00:00Z");
     for cell in [
         "<td data-field=\"limit\">1000</td>",

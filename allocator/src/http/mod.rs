@@ -15,7 +15,8 @@ pub mod extract;
 pub mod metrics;
 
 use crate::{
-    agents, explain, grants, health, leases, ledger, openapi, policies, reports, ui, windows, AppState, Error,
+    agents, explain, fleet, grants, health, leases, ledger, openapi, policies, reports, ui, windows,
+    AppState, Error,
 };
 use axum::extract::{DefaultBodyLimit, Request};
 use axum::middleware::from_fn_with_state;
@@ -34,6 +35,7 @@ pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 pub fn router(state: AppState) -> Router {
     let agent_routes = Router::new()
         .merge(agents::router())
+        .merge(fleet::router())
         .merge(grants::router())
         .merge(leases::agent_router())
         .merge(reports::router())

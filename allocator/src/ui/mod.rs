@@ -1,13 +1,16 @@
 //! `GET /ui`: a read-only dashboard rendered on the server: plain HTML with
 //! inline SVG and no JavaScript, refreshed by `<meta http-equiv="refresh">`.
-//! `/ui` lists the quotas; `/ui/quotas/{tenant}/{resource}` charts the last
-//! windows (limit, bound, admitted per region with the fallback share,
-//! stranded) above a table with the same numbers.
+//! `/ui` lists the quotas with their open window at a glance (see
+//! [`fleet`]); `/ui/quotas/{tenant}/{resource}` charts the last windows
+//! (limit, bound, admitted per region with the fallback share, stranded)
+//! above a table with the same numbers; `/ui/regions` lists the agents'
+//! latest statuses.
 //!
 //! Every string that comes from the database or the request goes through
 //! [`escape`]. The pages are admin reads (see `http` for the auth choice).
 
 pub mod chart;
+pub mod fleet;
 
 use crate::http::extract::{check_id, ApiPath, ApiQuery};
 use crate::windows::{self, WindowAccount};
@@ -31,7 +34,10 @@ pub const DEFAULT_WINDOWS: i64 = 12;
 
 /// Routes of this module.
 pub fn router() -> Router<AppState> {
-    Router::new().route("/ui", get(index)).route("/ui/quotas/{tenant}/{resource}", get(quota))
+    Router::new()
+        .route("/ui", get(index))
+        .route("/ui/quotas/{tenant}/{resource}", get(quota))
+        .route("/ui/regions", get(fleet::regions))
 }
 
 /// Escapes text for HTML element content and attribute values.
@@ -56,7 +62,8 @@ fn time(t: DateTime<Utc>) -> String {
 
 const STYLE: &str = "body{font-family:sans-serif;margin:1.5em;color:#222}\
 table{border-collapse:collapse;margin-top:1em}th,td{border:1px solid #ccc;padding:.25em .6em;text-align:right}\
-th{background:#f3f3f3}td.l{text-align:left}.bad{color:#b00;font-weight:bold}a{color:#0645ad}";
+th{background:#f3f3f3}td.l{text-align:left}.bad{color:#b00;font-weight:bold}a{color:#0645ad}\
+tr.stale{color:#888;background:#fafafa}";
 
 fn page(title: &str, body: &str) -> Html<String> {
     Html(format!(
@@ -67,12 +74,12 @@ fn page(title: &str, body: &str) -> Html<String> {
     ))
 }
 
-/// `GET /ui`: every quota with its policy.
+/// `GET /ui`: every quota with its policy and its open window at a glance.
 #[utoipa::path(
     get,
     path = "/ui",
     responses(
-        (status = 200, description = "HTML list of quotas", content_type = "text/html"),
+        (status = 200, description = "HTML list of quotas with their open window", content_type = "text/html"),
         (status = 401, description = "Missing or wrong admin token", body = ErrorBody),
     ),
     security(("admin_token" = [])),
@@ -80,22 +87,29 @@ fn page(title: &str, body: &str) -> Html<String> {
 )]
 pub(crate) async fn index(State(state): State<AppState>) -> Result<Html<String>> {
     let rows = policies::list_all(&state.db, MAX_QUOTAS).await?;
+    let open = fleet::open_windows(&state, &rows, MAX_QUOTAS).await?;
     let mut body = String::from(
-        "<table id=\"quotas\"><tr><th>quota</th><th>limit</th><th>window (s)</th><th>fail mode</th>\
-         <th>fallback / region</th><th>version</th><th>updated</th></tr>",
+        "<p><a href=\"/ui/regions\">agents by region</a></p>\
+         <table id=\"quotas\"><tr><th>quota</th><th>limit</th><th>window (s)</th><th>fail mode</th>\
+         <th>fallback / region</th><th>version</th><th>updated</th><th>admitted (open window)</th>\
+         <th>bound</th><th>admitted / limit / bound</th><th>regions in fallback</th><th>429 (open window)</th><th>503 (open window)</th>\
+         <th>links</th></tr>",
     );
     for p in &rows {
         let _ = write!(
             body,
-            "<tr><td class=\"l\"><a href=\"/ui/quotas/{t}/{r}\">{t}/{r}</a></td><td data-field=\"limit\">{}</td>\
+            "<tr data-quota=\"{t}/{r}\"><td class=\"l\"><a href=\"/ui/quotas/{t}/{r}\">{t}/{r}</a></td><td data-field=\"limit\">{}</td>\
              <td data-field=\"window_secs\">{}</td><td>{}</td><td>{}</td><td data-field=\"version\">{}</td>\
-             <td>{}</td></tr>",
+             <td>{}</td>{}</tr>",
             p.limit_tokens,
             p.window_secs,
             escape(&p.fail_mode),
             p.fallback_per_region,
             p.version,
             time(p.updated_at),
+            open.get(&(p.tenant.clone(), p.resource.clone()))
+                .map(|w| fleet::cells(&p.tenant, &p.resource, w))
+                .unwrap_or_default(),
             t = escape(&p.tenant),
             r = escape(&p.resource),
         );
