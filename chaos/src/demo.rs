@@ -20,11 +20,11 @@ use crate::accounts;
 use crate::bins;
 use crate::chart;
 use crate::install;
-use crate::proxy::Fault;
 use crate::report::{self, WindowRow};
 use crate::stack::{Stack, StackSpec};
 use crate::traffic::{self, RegionLoad, Traffic};
 use clap::Args;
+use quota_tests::proxy::Fault;
 use std::fmt::Write as _;
 use std::time::Duration;
 
@@ -156,7 +156,8 @@ async fn drive(stack: &Stack, args: &DemoArgs) -> Result<bool, String> {
     }
     let settle =
         if interrupted { Duration::from_secs(3) } else { Duration::from_secs(WINDOW_SECS as u64 + 15) };
-    let acc = accounts::settled(&stack.admin, TENANT, RESOURCE, &tally, WINDOW_SECS, settle).await?;
+    let agrees = |acc: &_| report::ledger_agrees(&tally, acc, WINDOW_SECS);
+    let acc = accounts::settled(&stack.admin, TENANT, RESOURCE, &tally, WINDOW_SECS, settle, agrees).await?;
     let rows = report::rows(&tally, &acc, WINDOW_SECS);
     let failed = report::check_windows(&rows, |r| r.bound, |_| 0);
     println!("\n{}", summary(&rows, &acc));

@@ -6,9 +6,10 @@
 mod common;
 
 use common::{acquire, bin, Tally, World};
-use quota_tests::agent::{AgentOpts, AgentProc, Switch};
+use quota_tests::agent::{AgentOpts, AgentProc};
 use quota_tests::app::{Options, TestAllocator};
 use quota_tests::http::Http;
+use quota_tests::proxy::{host_port, Fault, FaultProxy};
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};
 
@@ -135,15 +136,15 @@ async fn refusals_for_good_go_to_dead_letters_and_a_bad_item_alone() {
 async fn a_pod_replaced_during_a_partition_loses_no_report() {
     let w = World::start().await;
     w.policy("atlas", "p", json!({"limit": 10000, "window_secs": 3600, "chunk_max": 200})).await;
-    let sw = Switch::start(&w.stack.alloc.base).await;
-    let mut old = w.agent("eu", "eu-old", Some(&sw.url), &[]).await;
+    let sw = FaultProxy::in_front_of(&w.stack.alloc.base).await.expect("fault proxy");
+    let mut old = w.agent("eu", "eu-old", Some(&sw.http_url()), &[]).await;
     let mut tally = Tally::default();
     for _ in 0..30 {
         tally.add(&acquire(&old.http, "atlas", "p").await.expect(200));
     }
     // Leases in hand; the allocator becomes unreachable; admits from them
     // are cut into the old pod's outbox and cannot be sent.
-    sw.partition();
+    sw.set(Fault::Blackhole);
     for _ in 0..200 {
         let r = acquire(&old.http, "atlas", "p").await;
         tally.add(&r);
@@ -165,7 +166,7 @@ async fn a_pod_replaced_during_a_partition_loses_no_report() {
     assert!(depth > 0);
     // The pod is killed and replaced under a new name; the network heals.
     old.stop(libc::SIGKILL);
-    sw.heal();
+    sw.set(Fault::Pass);
     let new = w.agent("eu", "eu-new", None, &[]).await;
     for _ in 0..10 {
         tally.add(&acquire(&new.http, "atlas", "p").await.expect(200));
@@ -194,8 +195,8 @@ async fn a_token_rotation_loses_nothing() {
         .await;
     let with = |token: &str| Options { agent_token: Some(token.into()), ..Default::default() };
     let first = TestAllocator::spawn_with(&w.stack.db.url, with("right-token")).await;
-    let sw = Switch::start(&first.base).await;
-    let a = w.agent("eu", "eu-1", Some(&sw.url), &[("QUOTA_AGENT_TOKEN", "right-token")]).await;
+    let sw = FaultProxy::in_front_of(&first.base).await.expect("fault proxy");
+    let a = w.agent("eu", "eu-1", Some(&sw.http_url()), &[("QUOTA_AGENT_TOKEN", "right-token")]).await;
     let mut tally = Tally::default();
     for _ in 0..20 {
         tally.add(&acquire(&a.http, "atlas", "p").await.expect(200));
@@ -203,7 +204,7 @@ async fn a_token_rotation_loses_nothing() {
     // The allocator restarts with another agent token for 5 s.
     first.stop().await;
     let wrong = TestAllocator::spawn_with(&w.stack.db.url, with("another-token")).await;
-    sw.set_upstream(&wrong.base);
+    sw.set_upstreams(vec![host_port(&wrong.base)]);
     let until = Instant::now() + Duration::from_secs(5);
     while Instant::now() < until {
         let r = acquire(&a.http, "atlas", "p").await;
@@ -213,7 +214,7 @@ async fn a_token_rotation_loses_nothing() {
     }
     wrong.stop().await;
     let right = TestAllocator::spawn_with(&w.stack.db.url, with("right-token")).await;
-    sw.set_upstream(&right.base);
+    sw.set_upstreams(vec![host_port(&right.base)]);
     quota_tests::wait::until("admits again", Duration::from_secs(10), || {
         let http = a.http.clone();
         async move { (acquire(&http, "atlas", "p").await.status == 200).then_some(()) }
@@ -238,12 +239,12 @@ async fn a_region_admits_from_a_fresh_lease_within_a_second_of_heal() {
         json!({"limit": 100000, "window_secs": 3600, "chunk_min": 1, "chunk_max": 20, "fail_mode": "strict"}),
     )
     .await;
-    let sw = Switch::start(&w.stack.alloc.base).await;
-    let a = w.agent("eu", "eu-1", Some(&sw.url), &[]).await;
+    let sw = FaultProxy::in_front_of(&w.stack.alloc.base).await.expect("fault proxy");
+    let a = w.agent("eu", "eu-1", Some(&sw.http_url()), &[]).await;
     for _ in 0..5 {
         acquire(&a.http, "atlas", "s").await.expect(200);
     }
-    sw.partition();
+    sw.set(Fault::Blackhole);
     // Long enough for the breaker and every backoff to reach their caps.
     let until = Instant::now() + Duration::from_secs(6);
     let mut during = Tally::default();
@@ -252,7 +253,7 @@ async fn a_region_admits_from_a_fresh_lease_within_a_second_of_heal() {
     }
     assert_eq!(during.count(429, "quota_exhausted"), 0, "no 429 while unreachable: {during:?}");
     assert!(during.count(503, "allocator_unreachable") > 0, "{during:?}");
-    sw.heal();
+    sw.set(Fault::Pass);
     let healed = Instant::now();
     let mut after = Tally::default();
     let first_admit = loop {
@@ -294,8 +295,8 @@ async fn shutdown_is_bounded_with_redis_and_the_allocator_gone() {
         });
         futures::future::join_all(puts).await;
     }
-    let sw = Switch::start(&w.stack.alloc.base).await;
-    let mut a = w.agent("eu", "eu-1", Some(&sw.url), &[]).await;
+    let sw = FaultProxy::in_front_of(&w.stack.alloc.base).await.expect("fault proxy");
+    let mut a = w.agent("eu", "eu-1", Some(&sw.http_url()), &[]).await;
     for chunk in names.chunks(16) {
         let asks = chunk.iter().map(|n| {
             let http = a.http.clone();
@@ -345,7 +346,7 @@ async fn shutdown_is_bounded_with_redis_and_the_allocator_gone() {
         }
     })
     .await;
-    sw.partition();
+    sw.set(Fault::Blackhole);
     for n in names.iter().take(40) {
         let _ = acquire(&a.http, "atlas", n).await;
     }
@@ -370,7 +371,7 @@ async fn shutdown_is_bounded_with_redis_and_the_allocator_gone() {
     let left = outbox_entries(&mut conn, &names, 40).await.expect("LLEN");
     assert!(left > 0, "the unsent entries stayed in Redis");
     // A second signal ends a stop that is waiting at once.
-    sw.heal();
+    sw.set(Fault::Pass);
     a.start().await;
     w.redis.signal(libc::SIGSTOP);
     a.signal(libc::SIGTERM);

@@ -110,7 +110,7 @@ async fn grants(
     run: &str,
 ) -> Result<Sample, String> {
     let agents = register(&rig.admin, run).await?;
-    let targets = rig.allocators.iter().take(replicas).map(|a| Http::new(&a.base)).collect();
+    let targets = rig.allocators.iter().take(replicas).map(|a| a.http()).collect();
     closed_loop(AGENTS, dur, grant_op(targets, quotas, agents)).await
 }
 
@@ -280,7 +280,10 @@ pub async fn run(rig: &Rig, plan: &Plan, out: &mut Results, progress: &dyn Fn(&s
         let m = Medians::of(&s);
         out.set(&format!("scaling.q{n}.grant_p99_ms"), m.p99_ms);
         out.set(&format!("scaling.q{n}.grants_per_s"), m.per_s);
-        out.set(&format!("scaling.q{n}.allocator_rss_mb"), super::machine::rss_mb(rig.allocators[0].pid())?);
+        out.set(
+            &format!("scaling.q{n}.allocator_rss_mb"),
+            super::machine::rss_mb(rig.allocators[0].pid().ok_or("the bench allocator is not running")?)?,
+        );
     }
     let (events, leases): (i64, i64) =
         sqlx::query_as("select (select count(*) from ledger_event), (select count(*) from lease)")

@@ -21,11 +21,10 @@ use super::rig::Rig;
 use super::{Plan, Results};
 use crate::tls::LabTls;
 use futures::FutureExt;
+use quota_tests::allocator_proc::AllocatorProc;
 use quota_tests::http::Http;
-use quota_tests::procs::Child;
 use quota_tests::redis::TestRedis;
 use serde_json::json;
-use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -101,27 +100,17 @@ async fn register(http: &Http, run: &str) -> Result<Arc<Vec<(String, i64)>>, Str
 /// when dropped.
 struct TlsAllocator {
     http: Http,
-    _child: Child,
+    _proc: AllocatorProc,
 }
 
 async fn tls_allocator(rig: &Rig, tls: &LabTls) -> Result<TlsAllocator, String> {
-    let addr = format!("127.0.0.1:{}", quota_tests::free_port());
-    let log = tls.dir().join("allocator-tls.log");
-    let mut cmd = Command::new(&rig.bins.allocator);
-    cmd.env("DATABASE_URL", &rig.db.url)
-        .env("ALLOCATOR_LISTEN", &addr)
-        .env("RUST_LOG", std::env::var("ALLOCATOR_LOG").unwrap_or_else(|_| "warn".into()))
-        .envs(tls.allocator_env());
-    let child = Child::spawn("allocator", cmd, &log, None).map_err(|e| format!("spawn allocator: {e}"))?;
-    let http = tls.operator(&format!("https://{addr}"));
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    while http.get_status("/readyz").await != Some(200) {
-        if tokio::time::Instant::now() > deadline {
-            return Err(format!("HTTPS allocator on {addr} not ready after 60 s; see {}", log.display()));
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    Ok(TlsAllocator { http, _child: child })
+    let log = tls.dir().join("allocator-tls");
+    let mut a = AllocatorProc::new(&rig.bins.allocator, &rig.db.url, log)
+        .quiet()
+        .envs(tls.allocator_env())
+        .probe(|addr| tls.operator(&format!("https://{addr}")));
+    a.start_ready(Duration::from_secs(60)).await?;
+    Ok(TlsAllocator { http: a.http(), _proc: a })
 }
 
 /// Runs `plain` and `tls` one after the other, `tls` first when
@@ -199,7 +188,7 @@ pub async fn run(rig: &Rig, plan: &Plan, out: &mut Results, progress: &dyn Fn(&s
 
     progress("tls: an allocator serving HTTPS with mTLS beside the plain one");
     let https = tls_allocator(rig, &tls).await?;
-    let plain_http = Http::new(&rig.allocators[0].base);
+    let plain_http = rig.allocators[0].http();
     for c in 0..CLIENTS {
         quota_tests::fixtures::put_policy(
             &rig.admin,

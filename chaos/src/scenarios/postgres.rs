@@ -18,8 +18,8 @@
 
 use super::harness::{Profile, Run, RESOURCE, TENANT};
 use crate::bins::Bins;
-use crate::proxy::{Fault, FaultProxy};
 use crate::report::ScenarioReport;
+use quota_tests::proxy::{Fault, FaultProxy};
 use serde_json::json;
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
