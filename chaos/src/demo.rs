@@ -90,14 +90,9 @@ pub async fn run(args: DemoArgs) -> Result<bool, String> {
 }
 
 async fn drive(stack: &Stack, args: &DemoArgs) -> Result<bool, String> {
-    stack
-        .put_policy(
-            TENANT,
-            RESOURCE,
-            serde_json::json!({"limit": LIMIT, "window_secs": WINDOW_SECS, "fallback_per_region": FALLBACK,
-                               "fail_mode": "bounded"}),
-        )
-        .await?;
+    let policy = serde_json::json!({"limit": LIMIT, "window_secs": WINDOW_SECS, "fallback_per_region": FALLBACK,
+                                    "fail_mode": "bounded"});
+    crate::pools::put_policy(&stack.admin, TENANT, RESOURCE, &policy).await?;
     println!(
         "policy {TENANT}/{RESOURCE}: {LIMIT} per {WINDOW_SECS} s, fallback {FALLBACK} per region, bounded"
     );

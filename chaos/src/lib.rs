@@ -7,6 +7,7 @@
 //! * [`bins`]: building and finding the service binaries, checking servers.
 //! * [`install`]: PostgreSQL and Redis servers: found, installed with apt-get, or the command printed.
 //! * [`stack`]: starting and stopping the whole stack.
+//! * [`pools`]: the policies and agent identities the bench and scenarios set up.
 //! * [`tls`]: the throwaway CA and certificates of `--tls` runs.
 //! * [`traffic`]: client processes' ground truth: 200s, 429s and 503s per window.
 //! * [`accounts`]: the allocator's window accounting, read over HTTP.
@@ -22,6 +23,7 @@ pub mod bins;
 pub mod chart;
 pub mod demo;
 pub mod install;
+pub mod pools;
 pub mod report;
 pub mod scenarios;
 pub mod stack;

@@ -237,22 +237,6 @@ fn pg_link_target(url: &str) -> String {
 }
 
 impl Stack {
-    /// Creates or replaces the policy of `tenant/resource`.
-    pub async fn put_policy(
-        &self,
-        tenant: &str,
-        resource: &str,
-        body: serde_json::Value,
-    ) -> Result<(), String> {
-        let resp = self.admin.put(&format!("/v1/policies/{tenant}/{resource}"), &body).await;
-        if resp.status != 200 {
-            return Err(format!("PUT policy {tenant}/{resource}: {} {}", resp.status, resp.body));
-        }
-        Ok(())
-    }
-}
-
-impl Stack {
     /// Copies every process's log into `dir` (kept after the stack is gone).
     pub fn save_logs(&self, dir: &std::path::Path) -> Result<(), String> {
         std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;

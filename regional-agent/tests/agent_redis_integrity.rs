@@ -74,19 +74,20 @@ async fn drain_both(a: &Http, b: &Http, resource: &str, t: &mut Tally, refusals:
 async fn ledger_never_counts_twice(w: &World, resource: &str, tally: &Tally) {
     // Give the outboxes time to drain what they hold.
     let expected = tally.by_window.clone();
-    let mut last = Default::default();
-    let settled = tokio::time::timeout(Duration::from_secs(10), async {
-        loop {
+    // Settled: two reads in a row the same; after 10 s, the latest read.
+    let last = std::cell::RefCell::new(Default::default());
+    let latest = &last;
+    let settled =
+        quota_tests::wait::poll(Duration::from_secs(10), Duration::from_millis(700), || async move {
             let now = w.admitted_by_window("atlas", resource).await;
-            if now == last && !now.is_empty() {
-                return now;
+            if *latest.borrow() == now && !now.is_empty() {
+                return Ok(now);
             }
-            last = now;
-            tokio::time::sleep(Duration::from_millis(700)).await;
-        }
-    })
-    .await
-    .unwrap_or(last);
+            *latest.borrow_mut() = now;
+            Err(())
+        })
+        .await
+        .unwrap_or_else(|()| last.take());
     for (ws, (c, f)) in &settled {
         let (lc, lf) = expected.get(ws).copied().unwrap_or_default();
         assert!(c + f <= lc + lf, "window {ws}: the ledger counts {c}+{f} > clients {lc}+{lf}");

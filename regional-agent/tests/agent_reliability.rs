@@ -10,7 +10,9 @@ use quota_tests::agent::{AgentOpts, AgentProc};
 use quota_tests::app::{Options, TestAllocator};
 use quota_tests::http::Http;
 use quota_tests::proxy::{host_port, Fault, FaultProxy};
+use quota_tests::wait;
 use serde_json::{json, Value};
+use std::cell::RefCell;
 use std::time::{Duration, Instant};
 
 async fn redis_conn(url: &str) -> redis::aio::MultiplexedConnection {
@@ -173,14 +175,18 @@ async fn a_pod_replaced_during_a_partition_loses_no_report() {
     }
     // The replacement adopts the old pod's outbox once its liveness expires
     // (10 s): the allocator's accounting then equals the clients' count.
-    let deadline = Instant::now() + Duration::from_secs(40);
-    loop {
-        let got = w.admitted_by_window("atlas", "p").await;
-        if got == tally.by_window {
-            break;
+    let (w_ref, expected) = (&w, &tally.by_window);
+    let matched = wait::poll(Duration::from_secs(40), Duration::from_millis(200), || async move {
+        let got = w_ref.admitted_by_window("atlas", "p").await;
+        if &got == expected {
+            Ok(())
+        } else {
+            Err(got)
         }
-        assert!(Instant::now() < deadline, "accounting {got:?} never matched {:?}", tally.by_window);
-        tokio::time::sleep(Duration::from_millis(200)).await;
+    })
+    .await;
+    if let Err(got) = matched {
+        panic!("accounting {got:?} never matched {:?}", tally.by_window);
     }
     let n: i64 = redis::cmd("LLEN").arg(&ob).query_async(&mut conn).await.expect("LLEN");
     assert_eq!(n, 0, "the old pod's outbox was sent");
@@ -255,16 +261,17 @@ async fn a_region_admits_from_a_fresh_lease_within_a_second_of_heal() {
     assert!(during.count(503, "allocator_unreachable") > 0, "{during:?}");
     sw.set(Fault::Pass);
     let healed = Instant::now();
-    let mut after = Tally::default();
-    let first_admit = loop {
-        let r = acquire(&a.http, "atlas", "s").await;
-        after.add(&r);
-        if r.status == 200 {
-            break healed.elapsed();
-        }
-        assert!(healed.elapsed() < Duration::from_secs(5), "no admit 5 s after heal: {after:?}");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    };
+    // Every answer until the first 200, for the report.
+    let after = RefCell::new(Tally::default());
+    let (http, seen) = (&a.http, &after);
+    let admitted = wait::poll(Duration::from_secs(5), Duration::from_millis(10), || async move {
+        let r = acquire(http, "atlas", "s").await;
+        seen.borrow_mut().add(&r);
+        (r.status == 200).then(|| healed.elapsed()).ok_or(())
+    })
+    .await;
+    let after = after.into_inner();
+    let first_admit = admitted.unwrap_or_else(|()| panic!("no admit 5 s after heal: {after:?}"));
     println!(
         "first admit {} ms after heal; answers before it: {:?}",
         first_admit.as_millis(),
@@ -383,17 +390,22 @@ async fn shutdown_is_bounded_with_redis_and_the_allocator_gone() {
     assert!(second < Duration::from_secs(1), "second signal: exited {second:?} after it");
     // And a fresh start sends everything: nothing was lost.
     let b = AgentProc::spawn(bin(), AgentOpts::new("eu", "eu-1", &w.stack.alloc.base, &w.redis.url)).await;
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let n = outbox_entries(&mut conn, &names, 40).await.expect("LLEN");
-        if n == 0 {
-            break;
+    let names = &names;
+    let drained = wait::poll(Duration::from_secs(30), Duration::from_millis(200), || {
+        let mut c = conn.clone();
+        async move {
+            let n = outbox_entries(&mut c, names, 40).await.expect("LLEN");
+            if n == 0 {
+                Ok(())
+            } else {
+                Err(n)
+            }
         }
-        if Instant::now() > deadline {
-            let log = b.log();
-            let tail: Vec<&str> = log.lines().rev().take(40).collect();
-            panic!("{n} entries left 30 s after a restart; log tail (newest first): {tail:#?}");
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
+    })
+    .await;
+    if let Err(n) = drained {
+        let log = b.log();
+        let tail: Vec<&str> = log.lines().rev().take(40).collect();
+        panic!("{n} entries left 30 s after a restart; log tail (newest first): {tail:#?}");
     }
 }

@@ -83,19 +83,6 @@ fn grant_op(http: Http, agents: Arc<Vec<(String, i64)>>) -> Op {
     })
 }
 
-/// Registers [`CLIENTS`] agents named `{run}-{c}` through `http`.
-async fn register(http: &Http, run: &str) -> Result<Arc<Vec<(String, i64)>>, String> {
-    let mut out = Vec::with_capacity(CLIENTS);
-    for c in 0..CLIENTS {
-        let name = format!("{run}-{c}");
-        let r = http.post("/v1/agents/register", &json!({"region": "bench", "agent": name})).await;
-        let epoch =
-            r.body["epoch"].as_i64().ok_or_else(|| format!("register {name}: {} {}", r.status, r.body))?;
-        out.push((name, epoch));
-    }
-    Ok(Arc::new(out))
-}
-
 /// An allocator on the rig's database serving HTTPS with mTLS; killed
 /// when dropped.
 struct TlsAllocator {
@@ -157,13 +144,13 @@ fn record(
 pub async fn run(rig: &Rig, plan: &Plan, out: &mut Results, progress: &dyn Fn(&str)) -> Result<(), String> {
     progress("tls: throwaway CA, a Redis over TLS and one plain, an agent on each");
     let tls = LabTls::generate()?;
-    quota_tests::fixtures::put_policy(
+    crate::pools::put_policy(
         &rig.admin,
         TENANT,
         RESOURCE,
-        json!({"limit": 1_000_000_000i64, "window_secs": 86_400}),
+        &json!({"limit": 1_000_000_000i64, "window_secs": 86_400}),
     )
-    .await;
+    .await?;
     let plain_redis = TestRedis::start();
     let tls_redis = TestRedis::start_tls(&tls.server, true, &[]);
     let plain_agent = rig.agent_as("plain", &plain_redis.url, Vec::new()).await;
@@ -189,15 +176,9 @@ pub async fn run(rig: &Rig, plan: &Plan, out: &mut Results, progress: &dyn Fn(&s
     progress("tls: an allocator serving HTTPS with mTLS beside the plain one");
     let https = tls_allocator(rig, &tls).await?;
     let plain_http = rig.allocators[0].http();
-    for c in 0..CLIENTS {
-        quota_tests::fixtures::put_policy(
-            &rig.admin,
-            TENANT,
-            &format!("tls-g{c}"),
-            json!({"limit": 1_000_000_000i64, "window_secs": 86_400}),
-        )
-        .await;
-    }
+    let grant_quotas = (0..CLIENTS).map(|c| format!("tls-g{c}"));
+    let body = json!({"limit": 1_000_000_000i64, "window_secs": 86_400});
+    crate::pools::put_policies(&rig.admin, TENANT, grant_quotas, &body).await?;
 
     let (mut a_plain, mut a_tls, mut a_ratio) = (Vec::new(), Vec::new(), Vec::new());
     let (mut g_plain, mut g_tls, mut g_ratio) = (Vec::new(), Vec::new(), Vec::new());
@@ -221,8 +202,14 @@ pub async fn run(rig: &Rig, plan: &Plan, out: &mut Results, progress: &dyn Fn(&s
 
         progress(&format!("tls: grants, http and https, repetition {}/{}", rep + 1, plan.reps));
         // Fresh agent names per run, so `seq` may restart at 1.
-        let plain_op = grant_op(plain_http.clone(), register(&plain_http, &format!("tlsh{rep}")).await?);
-        let tls_op = grant_op(https.http.clone(), register(&https.http, &format!("tlss{rep}")).await?);
+        let plain_op = grant_op(
+            plain_http.clone(),
+            crate::pools::register_agents(&plain_http, "bench", &format!("tlsh{rep}"), CLIENTS).await?,
+        );
+        let tls_op = grant_op(
+            https.http.clone(),
+            crate::pools::register_agents(&https.http, "bench", &format!("tlss{rep}"), CLIENTS).await?,
+        );
         let (p, t) = pair(
             tls_first,
             || closed_loop(CLIENTS, plan.grants, plain_op.clone()),

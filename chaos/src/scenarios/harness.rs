@@ -93,7 +93,7 @@ impl Run {
             "fallback_per_region": if strict { 0 } else { p.fallback },
             "fail_mode": if strict { "strict" } else { "bounded" },
         });
-        stack.put_policy(TENANT, RESOURCE, policy).await?;
+        crate::pools::put_policy(&stack.admin, TENANT, RESOURCE, &policy).await?;
         let db = sqlx::postgres::PgPoolOptions::new()
             .max_connections(2)
             .acquire_timeout(Duration::from_secs(10))
