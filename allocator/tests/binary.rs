@@ -2,9 +2,8 @@
 //! services see it: configuration errors, migrations at start, graceful
 //! shutdown on SIGTERM, epochs monotonic across process restarts.
 
-use quota_tests::http::Http;
+use quota_tests::allocator_proc::AllocatorProc;
 use quota_tests::pg::TestDb;
-use quota_tests::procs::Child;
 use serde_json::json;
 use std::process::Command;
 use std::time::Duration;
@@ -17,17 +16,19 @@ fn allocator_cmd() -> Command {
     cmd
 }
 
-fn spawn(db_url: &str, port: u16, log: &std::path::Path, extra: &[&str]) -> Child {
-    let mut cmd = allocator_cmd();
-    cmd.env("DATABASE_URL", db_url).args(["--listen", &format!("127.0.0.1:{port}")]).args(extra);
-    Child::spawn("allocator", cmd, log, None).expect("spawn allocator")
+/// The allocator binary over `db_url` on a free port, started with `args`
+/// (logs `<dir>/<name>.<start>.log`), ready.
+async fn spawn(db_url: &str, dir: &std::path::Path, name: &str, args: &[&str]) -> AllocatorProc {
+    let mut a =
+        AllocatorProc::new(std::path::Path::new(env!("CARGO_BIN_EXE_allocator")), db_url, dir.join(name));
+    a.set_args(args);
+    a.start().expect("spawn allocator");
+    wait_healthy(&a).await;
+    a
 }
 
-async fn wait_healthy(http: &Http) {
-    quota_tests::wait::until("allocator /readyz", Duration::from_secs(30), || async {
-        (http.get_status("/readyz").await == Some(200)).then_some(())
-    })
-    .await;
+async fn wait_healthy(a: &AllocatorProc) {
+    a.ready(Duration::from_secs(30)).await.unwrap_or_else(|e| panic!("{e}"));
 }
 
 #[test]
@@ -65,37 +66,36 @@ fn unreachable_database_is_a_clear_error() {
 async fn migrates_serves_stops_on_sigterm_and_keeps_epochs_across_restarts() {
     let db = TestDb::start().await;
     let dir = tempfile::tempdir().unwrap();
-    let port = quota_tests::free_port();
-    let http = Http::new(&format!("http://127.0.0.1:{port}"));
-
-    let mut child = spawn(&db.url, port, &dir.path().join("a1.log"), &["--log-format", "json"]);
-    wait_healthy(&http).await;
+    let mut a = spawn(&db.url, dir.path(), "a", &["--log-format", "json"]).await;
+    let http = a.http();
     let e1 =
         http.post("/v1/agents/register", &json!({"region": "eu", "agent": "eu-1"})).await.expect(200).body
             ["epoch"]
             .as_i64()
             .unwrap();
-    let status = child.stop(libc::SIGTERM, Duration::from_secs(15)).expect("exit");
+    let status = a.stop(libc::SIGTERM, Duration::from_secs(15)).expect("exit");
     assert!(status.success(), "graceful exit on SIGTERM, got {status}");
-    let log = std::fs::read_to_string(dir.path().join("a1.log")).unwrap();
+    let log = a.log();
     let first = log.lines().find(|l| l.contains("allocator listening")).expect("listening line");
     let v: serde_json::Value = serde_json::from_str(first).expect("JSON log line");
     assert_eq!(v["level"], "INFO");
     assert!(log.contains("allocator stopped"), "{log}");
 
     // A killed process loses nothing committed: epochs keep increasing.
-    let mut child = spawn(&db.url, port, &dir.path().join("a2.log"), &[]);
-    wait_healthy(&http).await;
+    // Restarts keep the port, without the JSON log format.
+    a.set_args(&[]);
+    a.start().expect("spawn allocator");
+    wait_healthy(&a).await;
     let e2 =
         http.post("/v1/agents/register", &json!({"region": "eu", "agent": "eu-1"})).await.expect(200).body
             ["epoch"]
             .as_i64()
             .unwrap();
     assert!(e2 > e1);
-    child.stop(libc::SIGKILL, Duration::from_secs(5));
+    a.stop(libc::SIGKILL, Duration::from_secs(5));
 
-    let _child = spawn(&db.url, port, &dir.path().join("a3.log"), &[]);
-    wait_healthy(&http).await;
+    a.start().expect("spawn allocator");
+    wait_healthy(&a).await;
     let e3 =
         http.post("/v1/agents/register", &json!({"region": "eu", "agent": "eu-1"})).await.expect(200).body
             ["epoch"]
@@ -118,13 +118,10 @@ async fn replicas_30_s_apart_grant_only_the_database_s_current_or_next_window() 
     let db = TestDb::start().await;
     let pg = sqlx::PgPool::connect(&db.url).await.unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let (p1, p2) = (quota_tests::free_port(), quota_tests::free_port());
-    let _a = spawn(&db.url, p1, &dir.path().join("a.log"), &[]);
+    let pa = spawn(&db.url, dir.path(), "a", &[]).await;
     // The hidden test flag: this replica's own clock runs 30 s ahead.
-    let _b = spawn(&db.url, p2, &dir.path().join("b.log"), &["--test-clock-offset-ms", "30000"]);
-    let (a, b) = (Http::new(&format!("http://127.0.0.1:{p1}")), Http::new(&format!("http://127.0.0.1:{p2}")));
-    wait_healthy(&a).await;
-    wait_healthy(&b).await;
+    let pb = spawn(&db.url, dir.path(), "b", &["--test-clock-offset-ms", "30000"]).await;
+    let (a, b) = (pa.http(), pb.http());
     // 20 s windows: 30 s of skew always lands in another window, so a
     // replica deciding on its own clock would fail every "current" grant.
     // A lease may live a whole window, so "next" is always allowed.
@@ -192,11 +189,8 @@ async fn replicas_30_s_apart_grant_only_the_database_s_current_or_next_window() 
 async fn stop_with_postgres_paused(deadline_secs: &str, second: bool) -> Duration {
     let db = TestDb::start().await;
     let dir = tempfile::tempdir().unwrap();
-    let port = quota_tests::free_port();
-    let http = Http::new(&format!("http://127.0.0.1:{port}"));
-    let mut child =
-        spawn(&db.url, port, &dir.path().join("a.log"), &["--shutdown-timeout-secs", deadline_secs]);
-    wait_healthy(&http).await;
+    let mut child = spawn(&db.url, dir.path(), "a", &["--shutdown-timeout-secs", deadline_secs]).await;
+    let http = child.http();
     http.post("/v1/agents/register", &json!({"region": "eu", "agent": "eu-1"})).await.expect(200);
 
     // A request in flight inside its transaction: it waits for a row lock
@@ -209,7 +203,7 @@ async fn stop_with_postgres_paused(deadline_secs: &str, second: bool) -> Duratio
         .await
         .unwrap();
     let client = reqwest::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
-    let url = format!("http://127.0.0.1:{port}/v1/agents/register");
+    let url = format!("http://{}/v1/agents/register", child.addr);
     let mut in_flight = tokio::spawn(async move {
         client.post(url).json(&json!({"region": "eu", "agent": "eu-1"})).send().await.map(|r| r.status())
     });
@@ -246,7 +240,7 @@ async fn stop_with_postgres_paused(deadline_secs: &str, second: bool) -> Duratio
     let took = started.elapsed();
     db.signal_all(libc::SIGCONT);
     drop(holder);
-    let log = std::fs::read_to_string(dir.path().join("a.log")).unwrap();
+    let log = child.log();
     if second {
         assert!(!status.success(), "a second signal exits at once, non-zero: {status}\n{log}");
     } else {

@@ -48,10 +48,14 @@ fn enc(s: &str) -> String {
     s.replace('+', "%2B").replace(':', "%3A")
 }
 
-/// Waits until the allocator's count of every window in `tally` agrees with
-/// the clients' (the agents' outboxes have drained) and every such window
-/// has closed, then returns the accounts; after `timeout` returns what it
-/// has, so the caller's checks show the difference.
+/// How often [`settled`] reads the accounts again.
+const SETTLE_POLL: std::time::Duration = std::time::Duration::from_millis(200);
+
+/// Waits until `agrees` holds for the allocator's accounts of every window
+/// in `tally` (the agents' outboxes have drained; the caller judges, see
+/// `report::ledger_agrees`) and every such window has closed, then returns
+/// the accounts; after `timeout` returns what it has, so the caller's
+/// checks show the difference.
 pub async fn settled(
     admin: &Http,
     tenant: &str,
@@ -59,20 +63,30 @@ pub async fn settled(
     tally: &crate::traffic::Tally,
     secs: i64,
     timeout: std::time::Duration,
+    agrees: impl Fn(&BTreeMap<i64, WindowAccount>) -> bool,
 ) -> Result<BTreeMap<i64, WindowAccount>, String> {
     let grouped = crate::traffic::by_window(tally, secs);
     let (Some(first), Some(last)) = (grouped.keys().next().copied(), grouped.keys().last().copied()) else {
         return Ok(BTreeMap::new());
     };
-    let deadline = tokio::time::Instant::now() + timeout;
-    loop {
-        let acc = windows(admin, tenant, resource, first, last + secs).await?;
-        let rows = crate::report::rows(tally, &acc, secs);
+    let agrees = &agrees;
+    let grouped = &grouped;
+    // `Ok(Err(_))`: the accounts could not be read, which ends the wait.
+    let read = quota_tests::wait::poll(timeout, SETTLE_POLL, || async move {
+        let acc = match windows(admin, tenant, resource, first, last + secs).await {
+            Ok(acc) => acc,
+            Err(e) => return Ok(Err(e)),
+        };
         let closed = grouped.keys().all(|ws| acc.get(ws).is_none_or(|a| a.closed));
-        let agree = closed && crate::report::check_windows(&rows, |_| i64::MAX, |_| 0).is_empty();
-        if agree || tokio::time::Instant::now() >= deadline {
-            return Ok(acc);
+        if closed && agrees(&acc) {
+            Ok(Ok(acc))
+        } else {
+            Err(acc)
         }
-        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    })
+    .await;
+    match read {
+        Ok(read) => read,
+        Err(unsettled) => Ok(unsettled),
     }
 }

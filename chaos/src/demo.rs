@@ -20,11 +20,11 @@ use crate::accounts;
 use crate::bins;
 use crate::chart;
 use crate::install;
-use crate::proxy::Fault;
 use crate::report::{self, WindowRow};
 use crate::stack::{Stack, StackSpec};
 use crate::traffic::{self, RegionLoad, Traffic};
 use clap::Args;
+use quota_tests::proxy::Fault;
 use std::fmt::Write as _;
 use std::time::Duration;
 
@@ -90,14 +90,9 @@ pub async fn run(args: DemoArgs) -> Result<bool, String> {
 }
 
 async fn drive(stack: &Stack, args: &DemoArgs) -> Result<bool, String> {
-    stack
-        .put_policy(
-            TENANT,
-            RESOURCE,
-            serde_json::json!({"limit": LIMIT, "window_secs": WINDOW_SECS, "fallback_per_region": FALLBACK,
-                               "fail_mode": "bounded"}),
-        )
-        .await?;
+    let policy = serde_json::json!({"limit": LIMIT, "window_secs": WINDOW_SECS, "fallback_per_region": FALLBACK,
+                                    "fail_mode": "bounded"});
+    crate::pools::put_policy(&stack.admin, TENANT, RESOURCE, &policy).await?;
     println!(
         "policy {TENANT}/{RESOURCE}: {LIMIT} per {WINDOW_SECS} s, fallback {FALLBACK} per region, bounded"
     );
@@ -156,7 +151,8 @@ async fn drive(stack: &Stack, args: &DemoArgs) -> Result<bool, String> {
     }
     let settle =
         if interrupted { Duration::from_secs(3) } else { Duration::from_secs(WINDOW_SECS as u64 + 15) };
-    let acc = accounts::settled(&stack.admin, TENANT, RESOURCE, &tally, WINDOW_SECS, settle).await?;
+    let agrees = |acc: &_| report::ledger_agrees(&tally, acc, WINDOW_SECS);
+    let acc = accounts::settled(&stack.admin, TENANT, RESOURCE, &tally, WINDOW_SECS, settle, agrees).await?;
     let rows = report::rows(&tally, &acc, WINDOW_SECS);
     let failed = report::check_windows(&rows, |r| r.bound, |_| 0);
     println!("\n{}", summary(&rows, &acc));

@@ -2,12 +2,12 @@
 //! (`cargo lab chaos`), the benchmarks (`cargo lab bench`) and the demo
 //! (`cargo lab demo`). It runs the real `allocator` and `regional-agent`
 //! binaries over an ephemeral PostgreSQL and one ephemeral Redis per region,
-//! with a fault proxy on every link.
+//! with a fault proxy (`quota_tests::proxy`) on every link.
 //!
 //! * [`bins`]: building and finding the service binaries, checking servers.
 //! * [`install`]: PostgreSQL and Redis servers: found, installed with apt-get, or the command printed.
-//! * [`proxy`]: the fault proxy (pass, blackhole, refuse, latency, lost replies).
 //! * [`stack`]: starting and stopping the whole stack.
+//! * [`pools`]: the policies and agent identities the bench and scenarios set up.
 //! * [`tls`]: the throwaway CA and certificates of `--tls` runs.
 //! * [`traffic`]: client processes' ground truth: 200s, 429s and 503s per window.
 //! * [`accounts`]: the allocator's window accounting, read over HTTP.
@@ -23,7 +23,7 @@ pub mod bins;
 pub mod chart;
 pub mod demo;
 pub mod install;
-pub mod proxy;
+pub mod pools;
 pub mod report;
 pub mod scenarios;
 pub mod stack;

@@ -86,6 +86,13 @@ pub fn rows(tally: &Tally, accounts: &BTreeMap<i64, WindowAccount>, secs: i64) -
         .collect()
 }
 
+/// Whether the allocator's count of every window of `tally` agrees with
+/// the clients' (the count check of [`check_windows`], with no bound and
+/// nothing lost): what [`crate::accounts::settled`] waits for.
+pub fn ledger_agrees(tally: &Tally, accounts: &BTreeMap<i64, WindowAccount>, secs: i64) -> bool {
+    check_windows(&rows(tally, accounts, secs), |_| i64::MAX, |_| 0).is_empty()
+}
+
 /// The checks every scenario makes on every window: admitted within the
 /// bound (I6), no admit into a window after it ended (I2), and the
 /// allocator's count equal to the clients' (I7). A request whose answer was

@@ -23,16 +23,14 @@
 //! are killed, data directories removed.
 
 use crate::bins::Bins;
-use crate::proxy::FaultProxy;
 use crate::tls::LabTls;
 use quota_tests::agent::{AgentOpts, AgentProc};
+use quota_tests::allocator_proc::AllocatorProc;
 use quota_tests::http::Http;
 use quota_tests::pg::TestDb;
-use quota_tests::procs::Child;
+use quota_tests::proxy::FaultProxy;
 use quota_tests::redis::TestRedis;
 use quota_tests::sentinel::{TestSentinel, MASTER_NAME};
-use std::path::PathBuf;
-use std::process::Command;
 use std::time::Duration;
 
 /// What to start.
@@ -57,70 +55,6 @@ impl StackSpec {
             agent_env: Vec::new(),
             sentinel_regions: Vec::new(),
         }
-    }
-}
-
-/// One allocator replica on a fixed port, so a restart keeps its address.
-pub struct AllocatorProc {
-    pub addr: String,
-    bin: PathBuf,
-    database_url: String,
-    log: PathBuf,
-    child: Option<Child>,
-    starts: u32,
-    /// Extra environment (the TLS files).
-    env: Vec<(String, String)>,
-    /// The client `ready` probes with (HTTPS with a client certificate
-    /// when the allocator serves TLS).
-    probe: Http,
-}
-
-impl AllocatorProc {
-    fn start(&mut self) -> Result<(), String> {
-        self.starts += 1;
-        let mut cmd = Command::new(&self.bin);
-        cmd.env("DATABASE_URL", &self.database_url)
-            .env("ALLOCATOR_LISTEN", &self.addr)
-            .env("RUST_LOG", std::env::var("ALLOCATOR_LOG").unwrap_or_else(|_| "warn".into()))
-            .envs(self.env.iter().map(|(k, v)| (k, v)));
-        let log = self.log.with_extension(format!("{}.log", self.starts));
-        self.child =
-            Some(Child::spawn("allocator", cmd, &log, None).map_err(|e| format!("spawn allocator: {e}"))?);
-        Ok(())
-    }
-
-    /// Waits until `/readyz` answers 200.
-    pub async fn ready(&self, timeout: Duration) -> Result<(), String> {
-        let http = self.probe.clone();
-        let deadline = tokio::time::Instant::now() + timeout;
-        while tokio::time::Instant::now() < deadline {
-            if http.get_status("/readyz").await == Some(200) {
-                return Ok(());
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        Err(format!("allocator on {} not ready after {timeout:?}; see {}", self.addr, self.log.display()))
-    }
-
-    /// Kills the process with `sig` (waits for the exit).
-    pub fn kill(&mut self, sig: i32) {
-        if let Some(mut c) = self.child.take() {
-            c.stop(sig, Duration::from_secs(10));
-        }
-    }
-
-    /// Sends `sig` without waiting (SIGSTOP / SIGCONT).
-    pub fn signal(&self, sig: i32) {
-        if let Some(c) = &self.child {
-            c.signal(sig);
-        }
-    }
-
-    /// Starts it again on the same port and waits until ready.
-    pub async fn restart(&mut self) -> Result<(), String> {
-        self.kill(libc::SIGKILL);
-        self.start()?;
-        self.ready(Duration::from_secs(30)).await
     }
 }
 
@@ -192,20 +126,13 @@ impl Stack {
         let database_url = db.url.replacen(&pg_addr, &pg_link.addr, 1);
         let mut allocators = Vec::new();
         for i in 0..spec.allocators.max(1) {
-            let addr = format!("127.0.0.1:{}", quota_tests::free_port());
-            let mut a = AllocatorProc {
-                probe: http_for(&addr),
-                addr,
-                bin: bins.allocator.clone(),
-                database_url: database_url.clone(),
-                log: dir.path().join(format!("allocator-{i}")),
-                child: None,
-                starts: 0,
-                env: tls.as_ref().map(LabTls::allocator_env).unwrap_or_default(),
-            };
+            let log = dir.path().join(format!("allocator-{i}"));
+            let mut a = AllocatorProc::new(&bins.allocator, &database_url, log)
+                .quiet()
+                .envs(tls.as_ref().map(LabTls::allocator_env).unwrap_or_default())
+                .probe(http_for);
             progress(&format!("starting allocator {} on {}", i + 1, a.addr));
-            a.start()?;
-            a.ready(Duration::from_secs(60)).await?;
+            a.start_ready(Duration::from_secs(60)).await?;
             allocators.push(a);
         }
         let upstreams: Vec<String> = allocators.iter().map(|a| a.addr.clone()).collect();
@@ -307,22 +234,6 @@ impl Stack {
 /// `host:port` of a `postgres://user@host:port/db` URL.
 fn pg_link_target(url: &str) -> String {
     url.split('@').nth(1).and_then(|r| r.split('/').next()).unwrap_or_default().to_string()
-}
-
-impl Stack {
-    /// Creates or replaces the policy of `tenant/resource`.
-    pub async fn put_policy(
-        &self,
-        tenant: &str,
-        resource: &str,
-        body: serde_json::Value,
-    ) -> Result<(), String> {
-        let resp = self.admin.put(&format!("/v1/policies/{tenant}/{resource}"), &body).await;
-        if resp.status != 200 {
-            return Err(format!("PUT policy {tenant}/{resource}: {} {}", resp.status, resp.body));
-        }
-        Ok(())
-    }
 }
 
 impl Stack {

@@ -85,35 +85,31 @@ async fn sentinel_failover_to_a_lagging_replica_is_followed_within_the_bound_and
     let killed_at = chrono::Utc::now();
 
     // The agent follows: every answer until the first 200 is counted too.
-    let mut during = Tally::default();
-    let http = a.http.clone();
-    let first_ok = {
-        let during = &mut during;
-        let http = &http;
-        let started = Instant::now();
-        loop {
-            let r = acquire(http, "atlas", "write").await;
-            during.add(&r);
-            if r.status == 200 {
-                break killed.elapsed();
-            }
-            assert!(
-                (r.status, r.error()) == (503, "store_unavailable"),
-                "while the primary is gone the agent answers 503 store_unavailable: {} {}",
-                r.status,
-                r.body
-            );
-            if started.elapsed() > FOLLOW_BOUND {
-                panic!(
-                    "no 200 within {FOLLOW_BOUND:?} of the primary's death (last {})\n{}\n{}",
-                    r.body,
-                    group.logs(),
-                    a.log()
-                );
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
+    let during = std::cell::RefCell::new(Tally::default());
+    let (http, seen) = (&a.http, &during);
+    let followed = wait::poll(FOLLOW_BOUND, Duration::from_millis(20), || async move {
+        let r = acquire(http, "atlas", "write").await;
+        seen.borrow_mut().add(&r);
+        if r.status == 200 {
+            return Ok(killed.elapsed());
         }
-    };
+        assert!(
+            (r.status, r.error()) == (503, "store_unavailable"),
+            "while the primary is gone the agent answers 503 store_unavailable: {} {}",
+            r.status,
+            r.body
+        );
+        Err(r.body)
+    })
+    .await;
+    let first_ok = followed.unwrap_or_else(|last| {
+        panic!(
+            "no 200 within {FOLLOW_BOUND:?} of the primary's death (last {last})\n{}\n{}",
+            group.logs(),
+            a.log()
+        )
+    });
+    let during = during.into_inner();
     let promoted = group.primary_by_sentinel();
     assert_eq!(promoted, Some(group.replica_port), "Sentinel promoted the replica");
     tally.merge(&during);

@@ -4,7 +4,7 @@
 mod common;
 
 use common::{acquire, Tally, World};
-use quota_tests::agent::Switch;
+use quota_tests::proxy::{Fault, FaultProxy};
 use serde_json::json;
 use std::time::Duration;
 
@@ -44,15 +44,15 @@ async fn bounded_partition_admits_at_most_the_fallback_allowance_and_heals_exact
         json!({"limit": 60, "window_secs": 30, "chunk_max": 60, "fallback_per_region": 7}),
     )
     .await;
-    let sw = Switch::start(&w.stack.alloc.base).await;
-    let a = w.agent("eu", "eu-1", Some(&sw.url), &[]).await;
+    let sw = FaultProxy::in_front_of(&w.stack.alloc.base).await.expect("fault proxy");
+    let a = w.agent("eu", "eu-1", Some(&sw.http_url()), &[]).await;
     // The first touch of a new region marks its first window's fallback as
     // spent (the safe side); start the partition in a later window.
     let mut tally = Tally::default();
     tally.merge(&hammer(&a.http, "p", (0, ""), 3).await);
     next_window(30).await;
     tally.merge(&hammer(&a.http, "p", (0, ""), 3).await);
-    sw.partition();
+    sw.set(Fault::Blackhole);
     let during = hammer(&a.http, "p", (503, "allocator_unreachable"), 400).await;
     assert!(during.count(429, "quota_exhausted") == 0, "no 429 while unreachable: {during:?}");
     tally.merge(&during);
@@ -62,7 +62,7 @@ async fn bounded_partition_admits_at_most_the_fallback_allowance_and_heals_exact
         assert!(*fb <= 7, "window {ws} admitted {fb} from fallback: {tally:?}");
     }
     assert!(during.fallback() > 0, "fallback was used: {during:?}");
-    sw.heal();
+    sw.set(Fault::Pass);
     w.wait_accounting("atlas", "p", &tally.by_window).await;
     for win in w.windows("atlas", "p").await {
         assert_eq!(win["bound_held"], json!(true), "{win}");
@@ -78,15 +78,15 @@ async fn strict_partition_answers_503_and_heals_exactly() {
         json!({"limit": 1000, "window_secs": 3600, "chunk_max": 20, "fail_mode": "strict"}),
     )
     .await;
-    let sw = Switch::start(&w.stack.alloc.base).await;
-    let a = w.agent("eu", "eu-1", Some(&sw.url), &[]).await;
+    let sw = FaultProxy::in_front_of(&w.stack.alloc.base).await.expect("fault proxy");
+    let a = w.agent("eu", "eu-1", Some(&sw.http_url()), &[]).await;
     let mut tally = hammer(&a.http, "s", (0, ""), 5).await;
-    sw.partition();
+    sw.set(Fault::Blackhole);
     let during = hammer(&a.http, "s", (503, "allocator_unreachable"), 200).await;
     assert_eq!(during.fallback(), 0, "{during:?}");
     assert!(during.count(503, "allocator_unreachable") >= 3, "{during:?}");
     tally.merge(&during);
-    sw.heal();
+    sw.set(Fault::Pass);
     // After heal the agent admits from leases again.
     let healed = quota_tests::wait::until("admits after heal", Duration::from_secs(15), || {
         let http = a.http.clone();

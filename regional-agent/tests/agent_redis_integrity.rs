@@ -6,8 +6,8 @@
 mod common;
 
 use common::{acquire, Tally, World};
-use quota_tests::agent::Switch;
 use quota_tests::http::Http;
+use quota_tests::proxy::{Fault, FaultProxy};
 use serde_json::json;
 use std::time::Duration;
 
@@ -74,19 +74,20 @@ async fn drain_both(a: &Http, b: &Http, resource: &str, t: &mut Tally, refusals:
 async fn ledger_never_counts_twice(w: &World, resource: &str, tally: &Tally) {
     // Give the outboxes time to drain what they hold.
     let expected = tally.by_window.clone();
-    let mut last = Default::default();
-    let settled = tokio::time::timeout(Duration::from_secs(10), async {
-        loop {
+    // Settled: two reads in a row the same; after 10 s, the latest read.
+    let last = std::cell::RefCell::new(Default::default());
+    let latest = &last;
+    let settled =
+        quota_tests::wait::poll(Duration::from_secs(10), Duration::from_millis(700), || async move {
             let now = w.admitted_by_window("atlas", resource).await;
-            if now == last && !now.is_empty() {
-                return now;
+            if *latest.borrow() == now && !now.is_empty() {
+                return Ok(now);
             }
-            last = now;
-            tokio::time::sleep(Duration::from_millis(700)).await;
-        }
-    })
-    .await
-    .unwrap_or(last);
+            *latest.borrow_mut() = now;
+            Err(())
+        })
+        .await
+        .unwrap_or_else(|()| last.take());
     for (ws, (c, f)) in &settled {
         let (lc, lf) = expected.get(ws).copied().unwrap_or_default();
         assert!(c + f <= lc + lf, "window {ws}: the ledger counts {c}+{f} > clients {lc}+{lf}");
@@ -159,9 +160,9 @@ async fn a_rolled_back_fallback_counter_counts_as_spent() {
         json!({"limit": 1000, "window_secs": window, "chunk_min": 1, "chunk_max": 5, "fallback_per_region": allowance}),
     )
     .await;
-    let sw = Switch::start(&w.stack.alloc.base).await;
-    let a = w.agent("eu", "eu-1", Some(&sw.url), &[]).await;
-    let b = w.agent("eu", "eu-2", Some(&sw.url), &[]).await;
+    let sw = FaultProxy::in_front_of(&w.stack.alloc.base).await.expect("fault proxy");
+    let a = w.agent("eu", "eu-1", Some(&sw.http_url()), &[]).await;
+    let b = w.agent("eu", "eu-2", Some(&sw.http_url()), &[]).await;
     let mut tally = Tally::default();
     admit_until(&a.http, "fb", 5, &mut tally).await;
     admit_until(&b.http, "fb", 5, &mut tally).await;
@@ -170,7 +171,7 @@ async fn a_rolled_back_fallback_counter_counts_as_spent() {
     let next = (chrono::Utc::now().timestamp() / window + 1) * window;
     quota_tests::wait::until_utc(chrono::DateTime::from_timestamp(next, 300_000_000).unwrap()).await;
     admit_until(&a.http, "fb", 3, &mut tally).await;
-    sw.partition();
+    sw.set(Fault::Blackhole);
     // Spend the leases, then some of the fallback.
     let mut during = Tally::default();
     while during.fallback() < 10 {
@@ -189,7 +190,7 @@ async fn a_rolled_back_fallback_counter_counts_as_spent() {
     for (ws, (_, fb)) in &tally.by_window {
         assert!(*fb <= allowance, "window {ws}: {fb} fallback admits > allowance {allowance}: {tally:?}");
     }
-    sw.heal();
+    sw.set(Fault::Pass);
     ledger_never_counts_twice(&w, "fb", &tally).await;
 }
 
@@ -264,9 +265,10 @@ async fn skewed_replicas_share_one_fallback_counter_per_real_window() {
         json!({"limit": 1000, "window_secs": window, "chunk_min": 1, "chunk_max": 5, "fallback_per_region": allowance}),
     )
     .await;
-    let sw = Switch::start(&w.stack.alloc.base).await;
-    let ahead = w.agent("eu", "eu-1", Some(&sw.url), &[("AGENT_TEST_CLOCK_OFFSET_MS", "30000")]).await;
-    let behind = w.agent("eu", "eu-2", Some(&sw.url), &[("AGENT_TEST_CLOCK_OFFSET_MS", "-30000")]).await;
+    let sw = FaultProxy::in_front_of(&w.stack.alloc.base).await.expect("fault proxy");
+    let ahead = w.agent("eu", "eu-1", Some(&sw.http_url()), &[("AGENT_TEST_CLOCK_OFFSET_MS", "30000")]).await;
+    let behind =
+        w.agent("eu", "eu-2", Some(&sw.http_url()), &[("AGENT_TEST_CLOCK_OFFSET_MS", "-30000")]).await;
     let mut warm = Tally::default();
     admit_until(&ahead.http, "skew", 3, &mut warm).await;
     admit_until(&behind.http, "skew", 3, &mut warm).await;
@@ -274,7 +276,7 @@ async fn skewed_replicas_share_one_fallback_counter_per_real_window() {
     let now = chrono::Utc::now().timestamp();
     let next = (now / window + 1) * window;
     quota_tests::wait::until_utc(chrono::DateTime::from_timestamp(next, 500_000_000).unwrap()).await;
-    sw.partition();
+    sw.set(Fault::Blackhole);
     let mut during = Tally::default();
     let mut fallback_in_real_window = 0;
     let mut refused = [0; 2];
@@ -302,7 +304,7 @@ async fn skewed_replicas_share_one_fallback_counter_per_real_window() {
         fallback_in_real_window <= allowance,
         "{fallback_in_real_window} fallback admits in one real window > allowance {allowance}: {during:?}"
     );
-    sw.heal();
+    sw.set(Fault::Pass);
 }
 
 /// F04: every key either has a TTL that fits its purpose or is bounded by
@@ -321,23 +323,23 @@ async fn every_key_expires_or_is_bounded_after_a_churn_of_agents_and_quotas() {
         )
         .await;
     }
-    let sw = Switch::start(&w.stack.alloc.base).await;
+    let sw = FaultProxy::in_front_of(&w.stack.alloc.base).await.expect("fault proxy");
     for id in 0..4 {
-        let mut a = w.agent("eu", &format!("eu-pod-{id}"), Some(&sw.url), &[]).await;
+        let mut a = w.agent("eu", &format!("eu-pod-{id}"), Some(&sw.http_url()), &[]).await;
         let mut t = Tally::default();
         for r in ["k1", "k2", "k3"] {
             admit_until(&a.http, r, 3, &mut t).await;
         }
         if id == 3 {
             // Fallback admits make `fb:` counters.
-            sw.partition();
+            sw.set(Fault::Blackhole);
             for _ in 0..200 {
                 let r = acquire(&a.http, "atlas", "k1").await;
                 if r.status == 200 && r.body["source"] == "fallback" {
                     break;
                 }
             }
-            sw.heal();
+            sw.set(Fault::Pass);
         }
         for i in 0..300 {
             let _ = a

@@ -6,10 +6,13 @@
 mod common;
 
 use common::{acquire, bin, Tally, World};
-use quota_tests::agent::{AgentOpts, AgentProc, Switch};
+use quota_tests::agent::{AgentOpts, AgentProc};
 use quota_tests::app::{Options, TestAllocator};
 use quota_tests::http::Http;
+use quota_tests::proxy::{host_port, Fault, FaultProxy};
+use quota_tests::wait;
 use serde_json::{json, Value};
+use std::cell::RefCell;
 use std::time::{Duration, Instant};
 
 async fn redis_conn(url: &str) -> redis::aio::MultiplexedConnection {
@@ -135,15 +138,15 @@ async fn refusals_for_good_go_to_dead_letters_and_a_bad_item_alone() {
 async fn a_pod_replaced_during_a_partition_loses_no_report() {
     let w = World::start().await;
     w.policy("atlas", "p", json!({"limit": 10000, "window_secs": 3600, "chunk_max": 200})).await;
-    let sw = Switch::start(&w.stack.alloc.base).await;
-    let mut old = w.agent("eu", "eu-old", Some(&sw.url), &[]).await;
+    let sw = FaultProxy::in_front_of(&w.stack.alloc.base).await.expect("fault proxy");
+    let mut old = w.agent("eu", "eu-old", Some(&sw.http_url()), &[]).await;
     let mut tally = Tally::default();
     for _ in 0..30 {
         tally.add(&acquire(&old.http, "atlas", "p").await.expect(200));
     }
     // Leases in hand; the allocator becomes unreachable; admits from them
     // are cut into the old pod's outbox and cannot be sent.
-    sw.partition();
+    sw.set(Fault::Blackhole);
     for _ in 0..200 {
         let r = acquire(&old.http, "atlas", "p").await;
         tally.add(&r);
@@ -165,21 +168,25 @@ async fn a_pod_replaced_during_a_partition_loses_no_report() {
     assert!(depth > 0);
     // The pod is killed and replaced under a new name; the network heals.
     old.stop(libc::SIGKILL);
-    sw.heal();
+    sw.set(Fault::Pass);
     let new = w.agent("eu", "eu-new", None, &[]).await;
     for _ in 0..10 {
         tally.add(&acquire(&new.http, "atlas", "p").await.expect(200));
     }
     // The replacement adopts the old pod's outbox once its liveness expires
     // (10 s): the allocator's accounting then equals the clients' count.
-    let deadline = Instant::now() + Duration::from_secs(40);
-    loop {
-        let got = w.admitted_by_window("atlas", "p").await;
-        if got == tally.by_window {
-            break;
+    let (w_ref, expected) = (&w, &tally.by_window);
+    let matched = wait::poll(Duration::from_secs(40), Duration::from_millis(200), || async move {
+        let got = w_ref.admitted_by_window("atlas", "p").await;
+        if &got == expected {
+            Ok(())
+        } else {
+            Err(got)
         }
-        assert!(Instant::now() < deadline, "accounting {got:?} never matched {:?}", tally.by_window);
-        tokio::time::sleep(Duration::from_millis(200)).await;
+    })
+    .await;
+    if let Err(got) = matched {
+        panic!("accounting {got:?} never matched {:?}", tally.by_window);
     }
     let n: i64 = redis::cmd("LLEN").arg(&ob).query_async(&mut conn).await.expect("LLEN");
     assert_eq!(n, 0, "the old pod's outbox was sent");
@@ -194,8 +201,8 @@ async fn a_token_rotation_loses_nothing() {
         .await;
     let with = |token: &str| Options { agent_token: Some(token.into()), ..Default::default() };
     let first = TestAllocator::spawn_with(&w.stack.db.url, with("right-token")).await;
-    let sw = Switch::start(&first.base).await;
-    let a = w.agent("eu", "eu-1", Some(&sw.url), &[("QUOTA_AGENT_TOKEN", "right-token")]).await;
+    let sw = FaultProxy::in_front_of(&first.base).await.expect("fault proxy");
+    let a = w.agent("eu", "eu-1", Some(&sw.http_url()), &[("QUOTA_AGENT_TOKEN", "right-token")]).await;
     let mut tally = Tally::default();
     for _ in 0..20 {
         tally.add(&acquire(&a.http, "atlas", "p").await.expect(200));
@@ -203,7 +210,7 @@ async fn a_token_rotation_loses_nothing() {
     // The allocator restarts with another agent token for 5 s.
     first.stop().await;
     let wrong = TestAllocator::spawn_with(&w.stack.db.url, with("another-token")).await;
-    sw.set_upstream(&wrong.base);
+    sw.set_upstreams(vec![host_port(&wrong.base)]);
     let until = Instant::now() + Duration::from_secs(5);
     while Instant::now() < until {
         let r = acquire(&a.http, "atlas", "p").await;
@@ -213,7 +220,7 @@ async fn a_token_rotation_loses_nothing() {
     }
     wrong.stop().await;
     let right = TestAllocator::spawn_with(&w.stack.db.url, with("right-token")).await;
-    sw.set_upstream(&right.base);
+    sw.set_upstreams(vec![host_port(&right.base)]);
     quota_tests::wait::until("admits again", Duration::from_secs(10), || {
         let http = a.http.clone();
         async move { (acquire(&http, "atlas", "p").await.status == 200).then_some(()) }
@@ -238,12 +245,12 @@ async fn a_region_admits_from_a_fresh_lease_within_a_second_of_heal() {
         json!({"limit": 100000, "window_secs": 3600, "chunk_min": 1, "chunk_max": 20, "fail_mode": "strict"}),
     )
     .await;
-    let sw = Switch::start(&w.stack.alloc.base).await;
-    let a = w.agent("eu", "eu-1", Some(&sw.url), &[]).await;
+    let sw = FaultProxy::in_front_of(&w.stack.alloc.base).await.expect("fault proxy");
+    let a = w.agent("eu", "eu-1", Some(&sw.http_url()), &[]).await;
     for _ in 0..5 {
         acquire(&a.http, "atlas", "s").await.expect(200);
     }
-    sw.partition();
+    sw.set(Fault::Blackhole);
     // Long enough for the breaker and every backoff to reach their caps.
     let until = Instant::now() + Duration::from_secs(6);
     let mut during = Tally::default();
@@ -252,18 +259,19 @@ async fn a_region_admits_from_a_fresh_lease_within_a_second_of_heal() {
     }
     assert_eq!(during.count(429, "quota_exhausted"), 0, "no 429 while unreachable: {during:?}");
     assert!(during.count(503, "allocator_unreachable") > 0, "{during:?}");
-    sw.heal();
+    sw.set(Fault::Pass);
     let healed = Instant::now();
-    let mut after = Tally::default();
-    let first_admit = loop {
-        let r = acquire(&a.http, "atlas", "s").await;
-        after.add(&r);
-        if r.status == 200 {
-            break healed.elapsed();
-        }
-        assert!(healed.elapsed() < Duration::from_secs(5), "no admit 5 s after heal: {after:?}");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    };
+    // Every answer until the first 200, for the report.
+    let after = RefCell::new(Tally::default());
+    let (http, seen) = (&a.http, &after);
+    let admitted = wait::poll(Duration::from_secs(5), Duration::from_millis(10), || async move {
+        let r = acquire(http, "atlas", "s").await;
+        seen.borrow_mut().add(&r);
+        (r.status == 200).then(|| healed.elapsed()).ok_or(())
+    })
+    .await;
+    let after = after.into_inner();
+    let first_admit = admitted.unwrap_or_else(|()| panic!("no admit 5 s after heal: {after:?}"));
     println!(
         "first admit {} ms after heal; answers before it: {:?}",
         first_admit.as_millis(),
@@ -294,8 +302,8 @@ async fn shutdown_is_bounded_with_redis_and_the_allocator_gone() {
         });
         futures::future::join_all(puts).await;
     }
-    let sw = Switch::start(&w.stack.alloc.base).await;
-    let mut a = w.agent("eu", "eu-1", Some(&sw.url), &[]).await;
+    let sw = FaultProxy::in_front_of(&w.stack.alloc.base).await.expect("fault proxy");
+    let mut a = w.agent("eu", "eu-1", Some(&sw.http_url()), &[]).await;
     for chunk in names.chunks(16) {
         let asks = chunk.iter().map(|n| {
             let http = a.http.clone();
@@ -345,7 +353,7 @@ async fn shutdown_is_bounded_with_redis_and_the_allocator_gone() {
         }
     })
     .await;
-    sw.partition();
+    sw.set(Fault::Blackhole);
     for n in names.iter().take(40) {
         let _ = acquire(&a.http, "atlas", n).await;
     }
@@ -370,7 +378,7 @@ async fn shutdown_is_bounded_with_redis_and_the_allocator_gone() {
     let left = outbox_entries(&mut conn, &names, 40).await.expect("LLEN");
     assert!(left > 0, "the unsent entries stayed in Redis");
     // A second signal ends a stop that is waiting at once.
-    sw.heal();
+    sw.set(Fault::Pass);
     a.start().await;
     w.redis.signal(libc::SIGSTOP);
     a.signal(libc::SIGTERM);
@@ -382,17 +390,22 @@ async fn shutdown_is_bounded_with_redis_and_the_allocator_gone() {
     assert!(second < Duration::from_secs(1), "second signal: exited {second:?} after it");
     // And a fresh start sends everything: nothing was lost.
     let b = AgentProc::spawn(bin(), AgentOpts::new("eu", "eu-1", &w.stack.alloc.base, &w.redis.url)).await;
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let n = outbox_entries(&mut conn, &names, 40).await.expect("LLEN");
-        if n == 0 {
-            break;
+    let names = &names;
+    let drained = wait::poll(Duration::from_secs(30), Duration::from_millis(200), || {
+        let mut c = conn.clone();
+        async move {
+            let n = outbox_entries(&mut c, names, 40).await.expect("LLEN");
+            if n == 0 {
+                Ok(())
+            } else {
+                Err(n)
+            }
         }
-        if Instant::now() > deadline {
-            let log = b.log();
-            let tail: Vec<&str> = log.lines().rev().take(40).collect();
-            panic!("{n} entries left 30 s after a restart; log tail (newest first): {tail:#?}");
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
+    })
+    .await;
+    if let Err(n) = drained {
+        let log = b.log();
+        let tail: Vec<&str> = log.lines().rev().take(40).collect();
+        panic!("{n} entries left 30 s after a restart; log tail (newest first): {tail:#?}");
     }
 }

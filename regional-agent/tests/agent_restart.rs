@@ -5,8 +5,8 @@
 mod common;
 
 use common::{acquire, Tally, World};
-use quota_tests::agent::Switch;
 use quota_tests::fixtures::{grant, grant_body};
+use quota_tests::proxy::{Fault, FaultProxy};
 use serde_json::json;
 
 async fn admit_n(http: &quota_tests::http::Http, resource: &str, n: usize) -> Tally {
@@ -52,15 +52,15 @@ async fn redis_restarting_empty_keeps_the_fallback_bound() {
         json!({"limit": 1000, "window_secs": 60, "chunk_max": 10, "fallback_per_region": allowance}),
     )
     .await;
-    let sw = Switch::start(&w.stack.alloc.base).await;
-    let a = w.agent("eu", "eu-1", Some(&sw.url), &[]).await;
+    let sw = FaultProxy::in_front_of(&w.stack.alloc.base).await.expect("fault proxy");
+    let a = w.agent("eu", "eu-1", Some(&sw.http_url()), &[]).await;
     let mut tally = admit_n(&a.http, "r", 3).await;
     let epoch = a.epoch().await;
     // Leave the region's first window (its fallback is treated as spent).
     let now = chrono::Utc::now().timestamp();
     quota_tests::wait::until_utc(chrono::DateTime::from_timestamp((now / 60 + 1) * 60, 0).unwrap()).await;
     tally.merge(&admit_n(&a.http, "r", 3).await);
-    sw.partition();
+    sw.set(Fault::Blackhole);
     let mut during = Tally::default();
     for _ in 0..300 {
         let r = acquire(&a.http, "atlas", "r").await;
@@ -81,7 +81,7 @@ async fn redis_restarting_empty_keeps_the_fallback_bound() {
         assert!(*fb <= allowance, "window {ws}: {fb} fallback admits > {allowance}: {tally:?}");
         assert!(lease + fb <= 1000 + allowance, "I6 in window {ws}");
     }
-    sw.heal();
+    sw.set(Fault::Pass);
     quota_tests::wait::until("a new epoch after the data loss", std::time::Duration::from_secs(20), || {
         let http = a.http.clone();
         async move { (http.get("/v1/status").await.body["epoch"].as_i64().unwrap_or(0) > epoch).then_some(()) }

@@ -1,18 +1,12 @@
 //! Regional agents for tests: the `regional-agent` binary started as a real
-//! process on a free port (killed when dropped), and a switchable TCP proxy
-//! that stands for the network between an agent and the allocator: it
-//! forwards, or it accepts connections and never answers (a partition that
-//! looks like timeouts, not refusals).
+//! process on a free port (killed when dropped). The network between an
+//! agent and its allocator is a [`crate::proxy::FaultProxy`].
 
 use crate::http::Http;
 use crate::procs::Child;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
 use std::time::Duration;
-use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::watch;
 
 /// How to start an agent.
 #[derive(Debug, Clone)]
@@ -158,80 +152,5 @@ impl AgentProc {
     pub fn log(&self) -> String {
         std::fs::read_to_string(self.dir.path().join(format!("agent-{}.log", self.starts)))
             .unwrap_or_default()
-    }
-}
-
-fn host_port(url: &str) -> String {
-    url.trim_start_matches("http://").trim_end_matches('/').to_string()
-}
-
-/// A TCP proxy to `upstream` that can be switched to a black hole.
-pub struct Switch {
-    /// `http://127.0.0.1:PORT`, to give to an agent as its allocator.
-    pub url: String,
-    up: Arc<AtomicBool>,
-    target: Arc<std::sync::Mutex<String>>,
-    gen: watch::Sender<u64>,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl Switch {
-    /// A proxy forwarding to `upstream` (`http://host:port`).
-    pub async fn start(upstream: &str) -> Switch {
-        let target = Arc::new(std::sync::Mutex::new(host_port(upstream)));
-        let target2 = target.clone();
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind proxy");
-        let url = format!("http://{}", listener.local_addr().expect("addr"));
-        let up = Arc::new(AtomicBool::new(true));
-        let (gen, _) = watch::channel(0u64);
-        let up2 = up.clone();
-        let gen2 = gen.clone();
-        let task = tokio::spawn(async move {
-            loop {
-                let Ok((mut inbound, _)) = listener.accept().await else { continue };
-                let mut rx = gen2.subscribe();
-                let target = target2.lock().unwrap().clone();
-                let forward = up2.load(Ordering::SeqCst);
-                tokio::spawn(async move {
-                    if !forward {
-                        // Hold the connection open and never answer.
-                        let _ = rx.changed().await;
-                        drop(inbound);
-                        return;
-                    }
-                    let Ok(mut out) = TcpStream::connect(&target).await else { return };
-                    tokio::select! {
-                        _ = tokio::io::copy_bidirectional(&mut inbound, &mut out) => {},
-                        _ = rx.changed() => {},
-                    }
-                });
-            }
-        });
-        Switch { url, up, target, gen, task }
-    }
-
-    /// Forwards new connections to `upstream` from now on (open ones are
-    /// dropped): a service replaced behind a stable address.
-    pub fn set_upstream(&self, upstream: &str) {
-        *self.target.lock().unwrap() = host_port(upstream);
-        self.gen.send_modify(|g| *g += 1);
-    }
-
-    /// Cuts the network: open connections stall, new ones are never answered.
-    pub fn partition(&self) {
-        self.up.store(false, Ordering::SeqCst);
-        self.gen.send_modify(|g| *g += 1);
-    }
-
-    /// Restores forwarding (stalled connections are dropped).
-    pub fn heal(&self) {
-        self.up.store(true, Ordering::SeqCst);
-        self.gen.send_modify(|g| *g += 1);
-    }
-}
-
-impl Drop for Switch {
-    fn drop(&mut self) {
-        self.task.abort();
     }
 }

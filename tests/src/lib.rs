@@ -12,14 +12,21 @@
 //! * [`redis_cluster`]: an ephemeral local 3-master Redis Cluster per test.
 //! * [`sentinel`]: an ephemeral primary, replica and Sentinel per test.
 //! * [`procs`]: child processes that die with the test, also on panic.
+//! * [`proxy`]: the fault proxy on a link (pass, blackhole, refuse, latency,
+//!   lost replies; a load balancer over several upstreams).
 //! * [`promtool`]: Prometheus' checker for rules, rule tests and scrapes.
 //! * [`app`]: the allocator started in process on a free port.
+//! * [`allocator_proc`]: the `allocator` binary as a real process (start,
+//!   wait ready, stop, restart on the same port).
+//! * [`agent`]: the `regional-agent` binary as a real process.
 //! * [`http`]: a JSON client that returns status, headers and body.
+//! * [`fixtures`]: allocator API helpers (policy, register, grant, pool rows).
 //! * [`wait`]: polling a condition with a deadline instead of sleeping.
 //! * [`tls`]: certificates made per test (rcgen) and a rustls probe client.
 //! * [`chromium`]: headless Chromium rendering the `/ui` pages.
 
 pub mod agent;
+pub mod allocator_proc;
 pub mod app;
 pub mod chromium;
 pub mod fixtures;
@@ -27,6 +34,7 @@ pub mod http;
 pub mod pg;
 pub mod procs;
 pub mod promtool;
+pub mod proxy;
 pub mod redis;
 pub mod redis_cluster;
 pub mod sentinel;

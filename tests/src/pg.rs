@@ -9,11 +9,12 @@
 //! drops, also on panic.
 
 use crate::procs::{self, Child, Container, NOBODY};
+use crate::wait;
 use sqlx::{Connection, Executor, PgConnection};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// How long a server may take to accept connections.
 const READY_TIMEOUT: Duration = Duration::from_secs(30);
@@ -151,29 +152,28 @@ fn copy_template(to: &Path) -> Result<(), String> {
     procs::run(cmd).map(|_| ())
 }
 
-async fn wait_ready(url: &str, server: Option<&mut Server>) -> Result<(), String> {
-    let deadline = Instant::now() + READY_TIMEOUT;
-    let mut server = server;
-    loop {
-        match PgConnection::connect(url).await {
-            Ok(c) => {
-                let _ = c.close().await;
-                return Ok(());
-            }
-            Err(e) => {
-                if let Some(s) = server.as_deref_mut() {
-                    if let Some(status) = s.child.as_mut().and_then(|c| c.try_wait()) {
-                        let log = std::fs::read_to_string(s.dir.join("postgres.log")).unwrap_or_default();
-                        return Err(format!("postgres exited with {status}: {log}"));
-                    }
+/// Connects to `url` until it answers; a server of ours that exits ends
+/// the wait at once, with its log.
+async fn wait_ready(url: &str, mut server: Option<&mut Server>) -> Result<(), String> {
+    // `Ok(Err(_))`: the server exited, no point in waiting longer.
+    let waited = wait::poll(READY_TIMEOUT, Duration::from_millis(25), || {
+        let exited = server.as_deref_mut().and_then(|s| {
+            let status = s.child.as_mut().and_then(|c| c.try_wait())?;
+            let log = std::fs::read_to_string(s.dir.join("postgres.log")).unwrap_or_default();
+            Some(format!("postgres exited with {status}: {log}"))
+        });
+        async move {
+            match PgConnection::connect(url).await {
+                Ok(c) => {
+                    let _ = c.close().await;
+                    Ok(Ok(()))
                 }
-                if Instant::now() > deadline {
-                    return Err(format!("PostgreSQL at {url} not ready after {READY_TIMEOUT:?}: {e}"));
-                }
+                Err(e) => exited.map(Err).ok_or(e),
             }
         }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
+    })
+    .await;
+    waited.map_err(|e| format!("PostgreSQL at {url} not ready after {READY_TIMEOUT:?}: {e}"))?
 }
 
 impl TestDb {
@@ -378,25 +378,36 @@ impl TestDb {
             conn.execute("select pg_reload_conf()").await.map_err(|e| e.to_string())?;
         }
         let want = if synchronous { "sync" } else { "async" };
-        let deadline = Instant::now() + READY_TIMEOUT;
-        loop {
-            let states: Vec<(Option<String>, Option<String>)> =
-                sqlx::query_as("select state, sync_state from pg_stat_replication")
-                    .fetch_all(&mut conn)
-                    .await
-                    .map_err(|e| format!("pg_stat_replication: {e}"))?;
-            if states.iter().any(|(st, sy)| st.as_deref() == Some("streaming") && sy.as_deref() == Some(want))
-            {
-                break;
+        // One connection for every poll (behind a lock: each poll's future
+        // borrows it). `Ok(Err(_))`: the query failed, which ends the wait.
+        let conn = tokio::sync::Mutex::new(conn);
+        let streaming = wait::poll(READY_TIMEOUT, Duration::from_millis(50), || {
+            let conn = &conn;
+            async move {
+                let mut conn = conn.lock().await;
+                let states: Vec<(Option<String>, Option<String>)> =
+                    match sqlx::query_as("select state, sync_state from pg_stat_replication")
+                        .fetch_all(&mut *conn)
+                        .await
+                    {
+                        Ok(s) => s,
+                        Err(e) => return Ok(Err(format!("pg_stat_replication: {e}"))),
+                    };
+                let up = states
+                    .iter()
+                    .any(|(st, sy)| st.as_deref() == Some("streaming") && sy.as_deref() == Some(want));
+                if up {
+                    Ok(Ok(()))
+                } else {
+                    Err(states)
+                }
             }
-            if Instant::now() > deadline {
-                return Err(format!(
-                    "the standby does not stream ({want}) after {READY_TIMEOUT:?}: {states:?}"
-                ));
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        let _ = conn.close().await;
+        })
+        .await;
+        streaming.map_err(|states| {
+            format!("the standby does not stream ({want}) after {READY_TIMEOUT:?}: {states:?}")
+        })??;
+        let _ = conn.into_inner().close().await;
         let addr = format!("127.0.0.1:{}", server.port);
         Ok(TestStandby { url, addr, server })
     }

@@ -87,12 +87,9 @@ impl Child {
             return Some(s);
         }
         self.signal(sig);
-        let deadline = std::time::Instant::now() + timeout;
-        while std::time::Instant::now() < deadline {
-            if let Some(s) = self.try_wait() {
-                return Some(s);
-            }
-            std::thread::sleep(std::time::Duration::from_millis(10));
+        let every = std::time::Duration::from_millis(10);
+        if let Ok(s) = crate::wait::poll_blocking(timeout, every, || self.try_wait().ok_or(())) {
+            return Some(s);
         }
         let _ = self.inner.kill();
         self.inner.wait().ok()

@@ -3,10 +3,11 @@
 //! port), or a `redis` container when a Docker engine answers.
 
 use crate::procs::{self, Child, Container};
+use crate::wait;
 use std::io::{Read, Write};
 use std::path::PathBuf;
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// One test's Redis.
 pub struct TestRedis {
@@ -34,17 +35,19 @@ fn ping(port: u16) -> bool {
 /// Waits until the server on `port` answers PING; panics with its log if
 /// `child` exits first or after 20 s.
 pub(crate) fn wait_ping(port: u16, mut child: Option<&mut Child>, dir: &std::path::Path) {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !ping(port) {
+    let what = format!("redis-server on port {port} to answer PING");
+    wait::until_blocking(&what, Duration::from_secs(20), Duration::from_millis(10), || {
+        if ping(port) {
+            return Some(());
+        }
         if let Some(s) = child.as_mut().and_then(|c| c.try_wait()) {
             panic!(
                 "redis-server exited: {s}: {}",
                 std::fs::read_to_string(dir.join("redis.log")).unwrap_or_default()
             );
         }
-        assert!(Instant::now() < deadline, "redis-server on port {port} not ready");
-        std::thread::sleep(Duration::from_millis(10));
-    }
+        None
+    });
 }
 
 impl TestRedis {
@@ -81,11 +84,12 @@ impl TestRedis {
         }
         if procs::docker_available() {
             let (c, port) = Container::run("redis:7-alpine", 6379, &[]).expect("redis container");
-            let deadline = Instant::now() + Duration::from_secs(30);
-            while !ping(port) {
-                assert!(Instant::now() < deadline, "redis container not ready");
-                std::thread::sleep(Duration::from_millis(25));
-            }
+            wait::until_blocking(
+                "the redis container",
+                Duration::from_secs(30),
+                Duration::from_millis(25),
+                || ping(port).then_some(()),
+            );
             return TestRedis {
                 url: format!("redis://127.0.0.1:{port}"),
                 prefix,

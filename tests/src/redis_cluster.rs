@@ -9,6 +9,7 @@
 //! loopback ports, the agents get the `rediss://` list.
 
 use crate::procs::{self, Child};
+use crate::wait;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -158,39 +159,41 @@ impl TestRedisCluster {
     }
 
     fn wait_pong(&mut self, cli_bin: &std::path::Path) {
+        // One deadline for every node.
         let deadline = Instant::now() + Duration::from_secs(20);
         for p in self.ports.clone() {
-            loop {
-                let port = p.to_string();
+            let port = p.to_string();
+            let left = deadline.saturating_duration_since(Instant::now());
+            let up = wait::poll_blocking(left, Duration::from_millis(10), || {
                 if cli(cli_bin, &["-p", &port, "ping"]).is_ok_and(|o| o.trim() == "PONG") {
-                    break;
+                    return Ok(());
                 }
                 self.check_alive();
-                assert!(Instant::now() < deadline, "redis-server on {p} not ready\n{}", self.logs());
-                std::thread::sleep(Duration::from_millis(10));
-            }
+                Err(())
+            });
+            assert!(up.is_ok(), "redis-server on {p} not ready\n{}", self.logs());
         }
     }
 
     /// Polls every node until it reports `cluster_state:ok` and all slots assigned.
     fn wait_ok(&mut self, cli_bin: &std::path::Path) {
+        // One deadline for every node.
         let deadline = Instant::now() + Duration::from_secs(30);
         for p in self.ports.clone() {
             let port = p.to_string();
-            loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let ok = wait::poll_blocking(left, Duration::from_millis(20), || {
                 let info = cli(cli_bin, &["-p", &port, "cluster", "info"]).unwrap_or_default();
                 if info.lines().any(|l| l.trim() == "cluster_state:ok")
                     && info.lines().any(|l| l.trim() == "cluster_slots_ok:16384")
                 {
-                    break;
+                    return Ok(());
                 }
                 self.check_alive();
-                assert!(
-                    Instant::now() < deadline,
-                    "cluster never reached cluster_state:ok: {info}\n{}",
-                    self.logs()
-                );
-                std::thread::sleep(Duration::from_millis(20));
+                Err(info)
+            });
+            if let Err(info) = ok {
+                panic!("cluster never reached cluster_state:ok: {info}\n{}", self.logs());
             }
         }
     }

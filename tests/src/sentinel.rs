@@ -12,9 +12,10 @@
 
 use crate::procs::{self, Child};
 use crate::redis::wait_ping;
+use crate::wait;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// The name the Sentinel monitors the primary under.
 pub const MASTER_NAME: &str = "quota-primary";
@@ -163,18 +164,15 @@ impl TestSentinel {
             _sentinel: sentinel,
             dir,
         };
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
+        let formed = wait::poll_blocking(Duration::from_secs(30), Duration::from_millis(50), || {
             let linked = g.info(replica_port).is_ok_and(|i| i.contains("master_link_status:up"));
             let known = g
                 .cli(sentinel_port, &["SENTINEL", "replicas", MASTER_NAME])
                 .is_ok_and(|o| o.contains(&replica_link.to_string()) && !o.contains("s_down"));
-            if linked && known {
-                return g;
-            }
-            assert!(Instant::now() < deadline, "Sentinel group never formed:\n{}", g.logs());
-            std::thread::sleep(Duration::from_millis(50));
-        }
+            (linked && known).then_some(()).ok_or(())
+        });
+        assert!(formed.is_ok(), "Sentinel group never formed:\n{}", g.logs());
+        g
     }
 
     /// Runs `redis-cli -p port args...` and returns its output.

@@ -129,13 +129,13 @@ fn spend_op(conn: redis::aio::ConnectionManager, a: SpendArgs) -> Op {
 /// Runs the acquire measurements on `rig` with a Redis of their own.
 pub async fn run(rig: &Rig, plan: &Plan, out: &mut Results, progress: &dyn Fn(&str)) -> Result<(), String> {
     let redis = TestRedis::start();
-    quota_tests::fixtures::put_policy(
+    crate::pools::put_policy(
         &rig.admin,
         TENANT,
         RESOURCE,
-        json!({"limit": LIMIT, "window_secs": WINDOW_SECS}),
+        &json!({"limit": LIMIT, "window_secs": WINDOW_SECS}),
     )
-    .await;
+    .await?;
     let agent = rig.agent(&redis).await;
     let http = client()?;
     // Warm: the agent learns the policy and credits a first lease.
@@ -263,13 +263,8 @@ async fn agent_memory_per_quota(
     let before = super::machine::rss_mb(pid)?;
     for i in 0..n {
         let resource = format!("mem-{i}");
-        quota_tests::fixtures::put_policy(
-            &rig.admin,
-            TENANT,
-            &resource,
-            json!({"limit": 1000, "window_secs": 3600}),
-        )
-        .await;
+        crate::pools::put_policy(&rig.admin, TENANT, &resource, &json!({"limit": 1000, "window_secs": 3600}))
+            .await?;
         let r = http
             .post(format!("{}/v1/acquire", agent.base))
             .json(&json!({"tenant": TENANT, "resource": resource}))

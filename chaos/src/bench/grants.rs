@@ -88,20 +88,6 @@ fn grant_op(targets: Vec<Http>, quotas: Quotas, agents: Arc<Vec<(String, i64)>>)
     })
 }
 
-/// Registers `AGENTS` fresh agents (fresh names per run, so `seq` may
-/// restart at 1 without replaying an earlier grant).
-async fn register(admin: &Http, run: &str) -> Result<Arc<Vec<(String, i64)>>, String> {
-    let mut out = Vec::with_capacity(AGENTS);
-    for c in 0..AGENTS {
-        let name = format!("{run}-{c}");
-        let r = admin.post("/v1/agents/register", &json!({"region": "bench", "agent": name})).await;
-        let epoch =
-            r.body["epoch"].as_i64().ok_or_else(|| format!("register {name}: {} {}", r.status, r.body))?;
-        out.push((name, epoch));
-    }
-    Ok(Arc::new(out))
-}
-
 async fn grants(
     rig: &Rig,
     replicas: usize,
@@ -109,8 +95,9 @@ async fn grants(
     dur: Duration,
     run: &str,
 ) -> Result<Sample, String> {
-    let agents = register(&rig.admin, run).await?;
-    let targets = rig.allocators.iter().take(replicas).map(|a| Http::new(&a.base)).collect();
+    // Fresh names per run, so `seq` may restart at 1.
+    let agents = crate::pools::register_agents(&rig.admin, "bench", run, AGENTS).await?;
+    let targets = rig.allocators.iter().take(replicas).map(|a| a.http()).collect();
     closed_loop(AGENTS, dur, grant_op(targets, quotas, agents)).await
 }
 
@@ -206,13 +193,13 @@ pub async fn run(rig: &Rig, plan: &Plan, out: &mut Results, progress: &dyn Fn(&s
         .connect(&rig.db.url)
         .await
         .map_err(|e| format!("bench connection to PostgreSQL: {e}"))?;
-    quota_tests::fixtures::put_policy(
+    crate::pools::put_policy(
         &rig.admin,
         TENANT,
         "hot",
-        json!({"limit": 1_000_000_000i64, "window_secs": 86_400}),
+        &json!({"limit": 1_000_000_000i64, "window_secs": 86_400}),
     )
-    .await;
+    .await?;
     let many = plan.many_quotas;
     create_quotas(&db, many).await?;
     let pgbench = PgBench::prepare(&db, &rig.db.url, many).await?;
@@ -280,7 +267,10 @@ pub async fn run(rig: &Rig, plan: &Plan, out: &mut Results, progress: &dyn Fn(&s
         let m = Medians::of(&s);
         out.set(&format!("scaling.q{n}.grant_p99_ms"), m.p99_ms);
         out.set(&format!("scaling.q{n}.grants_per_s"), m.per_s);
-        out.set(&format!("scaling.q{n}.allocator_rss_mb"), super::machine::rss_mb(rig.allocators[0].pid())?);
+        out.set(
+            &format!("scaling.q{n}.allocator_rss_mb"),
+            super::machine::rss_mb(rig.allocators[0].pid().ok_or("the bench allocator is not running")?)?,
+        );
     }
     let (events, leases): (i64, i64) =
         sqlx::query_as("select (select count(*) from ledger_event), (select count(*) from lease)")

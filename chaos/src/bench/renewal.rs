@@ -47,13 +47,13 @@ pub async fn run(rig: &Rig, plan: &Plan, out: &mut Results, progress: &dyn Fn(&s
         .connect(&rig.db.url)
         .await
         .map_err(|e| format!("bench connection to PostgreSQL: {e}"))?;
-    quota_tests::fixtures::put_policy(
+    crate::pools::put_policy(
         &rig.admin,
         TENANT,
         RESOURCE,
-        json!({"limit": LIMIT, "window_secs": WINDOW_SECS}),
+        &json!({"limit": LIMIT, "window_secs": WINDOW_SECS}),
     )
-    .await;
+    .await?;
     let redis = TestRedis::start();
     let agent = rig.agent(&redis).await;
     let load =

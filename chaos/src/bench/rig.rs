@@ -7,31 +7,17 @@
 
 use crate::bins::Bins;
 use quota_tests::agent::{AgentOpts, AgentProc};
+use quota_tests::allocator_proc::AllocatorProc;
 use quota_tests::http::Http;
 use quota_tests::pg::TestDb;
-use quota_tests::procs::Child;
 use quota_tests::redis::TestRedis;
-use std::process::Command;
 use std::time::Duration;
-
-/// One allocator process on the rig's database.
-pub struct Allocator {
-    pub base: String,
-    child: Child,
-}
-
-impl Allocator {
-    /// The process id (for its RSS).
-    pub fn pid(&self) -> u32 {
-        self.child.pid()
-    }
-}
 
 /// PostgreSQL plus allocator replicas; agents are added by [`Rig::agent`].
 pub struct Rig {
     pub bins: Bins,
     pub db: TestDb,
-    pub allocators: Vec<Allocator>,
+    pub allocators: Vec<AllocatorProc>,
     pub admin: Http,
     dir: tempfile::TempDir,
 }
@@ -45,31 +31,17 @@ impl Rig {
         for _ in 0..replicas.max(1) {
             rig.add_allocator().await?;
         }
-        rig.admin = Http::new(&rig.allocators[0].base);
+        rig.admin = rig.allocators[0].http();
         Ok(rig)
     }
 
     /// Starts one more allocator replica on the same database.
     pub async fn add_allocator(&mut self) -> Result<(), String> {
-        let addr = format!("127.0.0.1:{}", quota_tests::free_port());
         let i = self.allocators.len();
-        let log = self.dir.path().join(format!("allocator-{i}.log"));
-        let mut cmd = Command::new(&self.bins.allocator);
-        cmd.env("DATABASE_URL", &self.db.url)
-            .env("ALLOCATOR_LISTEN", &addr)
-            .env("RUST_LOG", std::env::var("ALLOCATOR_LOG").unwrap_or_else(|_| "warn".into()));
-        let child =
-            Child::spawn("allocator", cmd, &log, None).map_err(|e| format!("spawn allocator: {e}"))?;
-        let base = format!("http://{addr}");
-        let http = Http::new(&base);
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-        while http.get_status("/readyz").await != Some(200) {
-            if tokio::time::Instant::now() > deadline {
-                return Err(format!("allocator on {addr} not ready after 60 s; see {}", log.display()));
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        self.allocators.push(Allocator { base, child });
+        let log = self.dir.path().join(format!("allocator-{i}"));
+        let mut a = AllocatorProc::new(&self.bins.allocator, &self.db.url, log).quiet();
+        a.start_ready(Duration::from_secs(60)).await?;
+        self.allocators.push(a);
         Ok(())
     }
 
@@ -86,7 +58,8 @@ impl Rig {
     /// One agent of `region` (id `<region>-1`) on the Redis at `redis_url`
     /// with extra environment, talking to the first allocator.
     pub async fn agent_as(&self, region: &str, redis_url: &str, env: Vec<(String, String)>) -> AgentProc {
-        let mut opts = AgentOpts::new(region, &format!("{region}-1"), &self.allocators[0].base, redis_url);
+        let mut opts =
+            AgentOpts::new(region, &format!("{region}-1"), &self.allocators[0].http().base, redis_url);
         // Per-request log lines would be charged to the agent's latency.
         opts.env.push(("RUST_LOG".into(), "warn".into()));
         opts.env.extend(env);

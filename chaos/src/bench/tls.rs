@@ -21,11 +21,10 @@ use super::rig::Rig;
 use super::{Plan, Results};
 use crate::tls::LabTls;
 use futures::FutureExt;
+use quota_tests::allocator_proc::AllocatorProc;
 use quota_tests::http::Http;
-use quota_tests::procs::Child;
 use quota_tests::redis::TestRedis;
 use serde_json::json;
-use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -84,44 +83,21 @@ fn grant_op(http: Http, agents: Arc<Vec<(String, i64)>>) -> Op {
     })
 }
 
-/// Registers [`CLIENTS`] agents named `{run}-{c}` through `http`.
-async fn register(http: &Http, run: &str) -> Result<Arc<Vec<(String, i64)>>, String> {
-    let mut out = Vec::with_capacity(CLIENTS);
-    for c in 0..CLIENTS {
-        let name = format!("{run}-{c}");
-        let r = http.post("/v1/agents/register", &json!({"region": "bench", "agent": name})).await;
-        let epoch =
-            r.body["epoch"].as_i64().ok_or_else(|| format!("register {name}: {} {}", r.status, r.body))?;
-        out.push((name, epoch));
-    }
-    Ok(Arc::new(out))
-}
-
 /// An allocator on the rig's database serving HTTPS with mTLS; killed
 /// when dropped.
 struct TlsAllocator {
     http: Http,
-    _child: Child,
+    _proc: AllocatorProc,
 }
 
 async fn tls_allocator(rig: &Rig, tls: &LabTls) -> Result<TlsAllocator, String> {
-    let addr = format!("127.0.0.1:{}", quota_tests::free_port());
-    let log = tls.dir().join("allocator-tls.log");
-    let mut cmd = Command::new(&rig.bins.allocator);
-    cmd.env("DATABASE_URL", &rig.db.url)
-        .env("ALLOCATOR_LISTEN", &addr)
-        .env("RUST_LOG", std::env::var("ALLOCATOR_LOG").unwrap_or_else(|_| "warn".into()))
-        .envs(tls.allocator_env());
-    let child = Child::spawn("allocator", cmd, &log, None).map_err(|e| format!("spawn allocator: {e}"))?;
-    let http = tls.operator(&format!("https://{addr}"));
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    while http.get_status("/readyz").await != Some(200) {
-        if tokio::time::Instant::now() > deadline {
-            return Err(format!("HTTPS allocator on {addr} not ready after 60 s; see {}", log.display()));
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    Ok(TlsAllocator { http, _child: child })
+    let log = tls.dir().join("allocator-tls");
+    let mut a = AllocatorProc::new(&rig.bins.allocator, &rig.db.url, log)
+        .quiet()
+        .envs(tls.allocator_env())
+        .probe(|addr| tls.operator(&format!("https://{addr}")));
+    a.start_ready(Duration::from_secs(60)).await?;
+    Ok(TlsAllocator { http: a.http(), _proc: a })
 }
 
 /// Runs `plain` and `tls` one after the other, `tls` first when
@@ -168,13 +144,13 @@ fn record(
 pub async fn run(rig: &Rig, plan: &Plan, out: &mut Results, progress: &dyn Fn(&str)) -> Result<(), String> {
     progress("tls: throwaway CA, a Redis over TLS and one plain, an agent on each");
     let tls = LabTls::generate()?;
-    quota_tests::fixtures::put_policy(
+    crate::pools::put_policy(
         &rig.admin,
         TENANT,
         RESOURCE,
-        json!({"limit": 1_000_000_000i64, "window_secs": 86_400}),
+        &json!({"limit": 1_000_000_000i64, "window_secs": 86_400}),
     )
-    .await;
+    .await?;
     let plain_redis = TestRedis::start();
     let tls_redis = TestRedis::start_tls(&tls.server, true, &[]);
     let plain_agent = rig.agent_as("plain", &plain_redis.url, Vec::new()).await;
@@ -199,16 +175,10 @@ pub async fn run(rig: &Rig, plan: &Plan, out: &mut Results, progress: &dyn Fn(&s
 
     progress("tls: an allocator serving HTTPS with mTLS beside the plain one");
     let https = tls_allocator(rig, &tls).await?;
-    let plain_http = Http::new(&rig.allocators[0].base);
-    for c in 0..CLIENTS {
-        quota_tests::fixtures::put_policy(
-            &rig.admin,
-            TENANT,
-            &format!("tls-g{c}"),
-            json!({"limit": 1_000_000_000i64, "window_secs": 86_400}),
-        )
-        .await;
-    }
+    let plain_http = rig.allocators[0].http();
+    let grant_quotas = (0..CLIENTS).map(|c| format!("tls-g{c}"));
+    let body = json!({"limit": 1_000_000_000i64, "window_secs": 86_400});
+    crate::pools::put_policies(&rig.admin, TENANT, grant_quotas, &body).await?;
 
     let (mut a_plain, mut a_tls, mut a_ratio) = (Vec::new(), Vec::new(), Vec::new());
     let (mut g_plain, mut g_tls, mut g_ratio) = (Vec::new(), Vec::new(), Vec::new());
@@ -232,8 +202,14 @@ pub async fn run(rig: &Rig, plan: &Plan, out: &mut Results, progress: &dyn Fn(&s
 
         progress(&format!("tls: grants, http and https, repetition {}/{}", rep + 1, plan.reps));
         // Fresh agent names per run, so `seq` may restart at 1.
-        let plain_op = grant_op(plain_http.clone(), register(&plain_http, &format!("tlsh{rep}")).await?);
-        let tls_op = grant_op(https.http.clone(), register(&https.http, &format!("tlss{rep}")).await?);
+        let plain_op = grant_op(
+            plain_http.clone(),
+            crate::pools::register_agents(&plain_http, "bench", &format!("tlsh{rep}"), CLIENTS).await?,
+        );
+        let tls_op = grant_op(
+            https.http.clone(),
+            crate::pools::register_agents(&https.http, "bench", &format!("tlss{rep}"), CLIENTS).await?,
+        );
         let (p, t) = pair(
             tls_first,
             || closed_loop(CLIENTS, plan.grants, plain_op.clone()),

@@ -69,10 +69,8 @@ async fn scenarios(
             plan.util_windows
         ));
         let resources: Vec<String> = (0..plan.util_quotas).map(|i| format!("{}-{i}", sc.name)).collect();
-        for r in &resources {
-            quota_tests::fixtures::put_policy(&stack.admin, TENANT, r, json!({"limit": g, "window_secs": w}))
-                .await;
-        }
+        crate::pools::put_policies(&stack.admin, TENANT, &resources, &json!({"limit": g, "window_secs": w}))
+            .await?;
         // Start on a window boundary so every window but the first sees full demand.
         let now = chrono::Utc::now();
         let start = now.timestamp() - now.timestamp().rem_euclid(w) + w;

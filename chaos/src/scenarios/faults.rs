@@ -3,10 +3,10 @@
 
 use super::harness::{Profile, Run, RESOURCE, TENANT};
 use crate::bins::Bins;
-use crate::proxy::Fault;
 use crate::report::ScenarioReport;
 use crate::stack::StackSpec;
 use crate::traffic::{region_total, Counts};
+use quota_tests::proxy::Fault;
 use serde_json::json;
 use std::time::Duration;
 

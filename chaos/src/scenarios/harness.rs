@@ -93,7 +93,7 @@ impl Run {
             "fallback_per_region": if strict { 0 } else { p.fallback },
             "fail_mode": if strict { "strict" } else { "bounded" },
         });
-        stack.put_policy(TENANT, RESOURCE, policy).await?;
+        crate::pools::put_policy(&stack.admin, TENANT, RESOURCE, &policy).await?;
         let db = sqlx::postgres::PgPoolOptions::new()
             .max_connections(2)
             .acquire_timeout(Duration::from_secs(10))
@@ -246,14 +246,16 @@ impl Run {
             Some(t) => t.stop().await,
             None => Tally::new(),
         };
-        self.stack.pg_link.set(crate::proxy::Fault::Pass);
+        self.stack.pg_link.set(quota_tests::proxy::Fault::Pass);
         for r in &self.stack.regions {
-            r.alloc_link.set(crate::proxy::Fault::Pass);
-            r.redis_link.set(crate::proxy::Fault::Pass);
+            r.alloc_link.set(quota_tests::proxy::Fault::Pass);
+            r.redis_link.set(quota_tests::proxy::Fault::Pass);
         }
         let secs = self.p.window_secs;
         let settle = Duration::from_secs(secs as u64 + 20);
-        let acc = accounts::settled(&self.stack.admin, TENANT, RESOURCE, &tally, secs, settle).await?;
+        let agrees = |acc: &_| report::ledger_agrees(&tally, acc, secs);
+        let acc =
+            accounts::settled(&self.stack.admin, TENANT, RESOURCE, &tally, secs, settle, agrees).await?;
         let rows = report::rows(&tally, &acc, secs);
         let bound = self.bound();
         let lost = self.lost_allowance.clone();

@@ -6,11 +6,11 @@
 
 use super::harness::{Profile, Run};
 use crate::bins::Bins;
-use crate::proxy::FaultProxy;
 use crate::report::ScenarioReport;
 use crate::stack::StackSpec;
 use crate::traffic::region_total;
 use quota_tests::agent::{AgentOpts, AgentProc};
+use quota_tests::proxy::FaultProxy;
 use std::process::Command;
 
 /// The namespace and veth pairs, removed when dropped.

@@ -18,8 +18,8 @@
 
 use super::harness::{Profile, Run, RESOURCE, TENANT};
 use crate::bins::Bins;
-use crate::proxy::{Fault, FaultProxy};
 use crate::report::ScenarioReport;
+use quota_tests::proxy::{Fault, FaultProxy};
 use serde_json::json;
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
@@ -43,18 +43,16 @@ struct KnownLease {
 /// Registers the probe identity `eu/eu-probe` (never an agent's) and
 /// returns its epoch, retrying until the allocator answers or `RECOVER`.
 async fn register_probe(run: &Run) -> Result<i64, String> {
-    let deadline = tokio::time::Instant::now() + RECOVER;
-    loop {
-        let r =
-            run.stack.admin.post("/v1/agents/register", &json!({"region": "eu", "agent": "eu-probe"})).await;
-        if let (200, Some(e)) = (r.status, r.body["epoch"].as_i64()) {
-            return Ok(e);
+    let admin = &run.stack.admin;
+    let registered = quota_tests::wait::poll(RECOVER, Duration::from_millis(200), || async move {
+        let r = admin.post("/v1/agents/register", &json!({"region": "eu", "agent": "eu-probe"})).await;
+        match (r.status, r.body["epoch"].as_i64()) {
+            (200, Some(e)) => Ok(e),
+            _ => Err(r),
         }
-        if tokio::time::Instant::now() > deadline {
-            return Err(format!("register answered {} {} for {RECOVER:?}", r.status, r.body));
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    })
+    .await;
+    registered.map_err(|r| format!("register answered {} {} for {RECOVER:?}", r.status, r.body))
 }
 
 /// Lease ids in the lease books (`l:<id>`) of every region's Redis: the

@@ -98,21 +98,19 @@ impl World {
         resource: &str,
         expected: &BTreeMap<String, (i64, i64)>,
     ) {
-        let mut last = BTreeMap::new();
-        let ok = tokio::time::timeout(Duration::from_secs(20), async {
-            loop {
-                last = self.admitted_by_window(tenant, resource).await;
-                if &last == expected {
-                    return;
+        let matched =
+            quota_tests::wait::poll(Duration::from_secs(20), Duration::from_millis(50), || async move {
+                let got = self.admitted_by_window(tenant, resource).await;
+                if &got == expected {
+                    Ok(())
+                } else {
+                    Err(got)
                 }
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        })
-        .await;
-        assert!(
-            ok.is_ok(),
-            "allocator accounting {last:?} never matched the client-side counts {expected:?}"
-        );
+            })
+            .await;
+        if let Err(last) = matched {
+            panic!("allocator accounting {last:?} never matched the client-side counts {expected:?}");
+        }
     }
 }
 

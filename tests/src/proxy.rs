@@ -1,6 +1,8 @@
 //! A TCP fault proxy for one link (agent→allocator, agent→Redis,
 //! allocator→PostgreSQL), switched at run time between pass, blackhole,
-//! refuse, added latency and dropped replies. With several upstreams it is
+//! refuse, added latency and dropped replies. The one such proxy of the
+//! tests (a partition between an agent and its allocator) and of the lab
+//! (a proxy on every link of its stack). With several upstreams it is
 //! also the load balancer in front of allocator replicas: connections go
 //! round-robin to the upstreams that accept them. Its upstreams can be
 //! replaced at run time, as a load balancer's health check would after a
@@ -48,6 +50,12 @@ impl FaultProxy {
     /// A proxy on loopback in front of `upstreams` (`host:port` each).
     pub async fn start(upstreams: Vec<String>) -> std::io::Result<FaultProxy> {
         Self::start_on("127.0.0.1", upstreams).await
+    }
+
+    /// A proxy on loopback in front of the one HTTP service at `url`
+    /// (`http://host:port`); give [`FaultProxy::http_url`] to its clients.
+    pub async fn in_front_of(url: &str) -> std::io::Result<FaultProxy> {
+        Self::start(vec![host_port(url)]).await
     }
 
     /// A proxy listening on `ip` (e.g. the host end of a veth pair).
@@ -108,6 +116,11 @@ impl FaultProxy {
     pub fn http_url(&self) -> String {
         format!("http://{}", self.addr)
     }
+}
+
+/// `host:port` of an `http://host:port` (or `https://`) URL.
+pub fn host_port(url: &str) -> String {
+    url.trim_start_matches("http://").trim_start_matches("https://").trim_end_matches('/').to_string()
 }
 
 impl Drop for FaultProxy {
