@@ -9,9 +9,9 @@
 mod common;
 
 use common::{acquire, Tally, World};
-use quota_tests::agent::Switch;
 use quota_tests::chromium;
 use quota_tests::http::Http;
+use quota_tests::proxy::{Fault, FaultProxy};
 use serde_json::json;
 use std::time::Duration;
 
@@ -35,8 +35,9 @@ async fn fleet_pages_show_the_scenario_admits_refusals_fallback_and_agents() {
     )
     .await;
     let eu = w.agent("eu", "eu-1", None, &[FAST_STATUS]).await;
-    let sw = Switch::start(&w.stack.alloc.base).await;
-    let mut us = w.agent("us", "us-1", Some(&sw.url), &[FAST_STATUS, ("AGENT_REDIS_PREFIX", "us:")]).await;
+    let sw = FaultProxy::in_front_of(&w.stack.alloc.base).await.expect("fault proxy");
+    let mut us =
+        w.agent("us", "us-1", Some(&sw.http_url()), &[FAST_STATUS, ("AGENT_REDIS_PREFIX", "us:")]).await;
     // The first start in a new region counts the first window's fallback as
     // spent (see the agent's crate doc); a restarted agent finds the region
     // known, so its fallback allowance is there.
@@ -46,7 +47,7 @@ async fn fleet_pages_show_the_scenario_admits_refusals_fallback_and_agents() {
 
     let mut tally = Tally::default();
     tally.add(&acquire(&us.http, "atlas", "read").await.expect(200));
-    sw.partition();
+    sw.set(Fault::Blackhole);
     for _ in 0..10 {
         tally.add(&acquire(&us.http, "atlas", "read").await);
     }
@@ -61,7 +62,7 @@ async fn fleet_pages_show_the_scenario_admits_refusals_fallback_and_agents() {
             }
         }
     }
-    sw.heal();
+    sw.set(Fault::Pass);
     let admitted = tally.admitted();
     let n429 = tally.count(429, "quota_exhausted");
     let n503 = tally.count(503, "allocator_unreachable") + tally.count(503, "store_unavailable");
