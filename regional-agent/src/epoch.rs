@@ -5,8 +5,7 @@
 //! released, and their late grant answers are never credited.
 
 use crate::breaker::backoff;
-use crate::keys::Keys;
-use crate::store::FENCE;
+use crate::scripts;
 use crate::AppState;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
@@ -86,9 +85,7 @@ pub async fn run(app: AppState) {
 /// learning its policy has no lease to fence and may not exist: no key).
 pub async fn fence_all(app: &AppState, epoch: i64) {
     for q in app.quotas.all().into_iter().filter(|q| q.policy().is_some()) {
-        let mut inv = FENCE.prepare_invoke();
-        inv.key(Keys::incarnation(&q.prefix)).arg(&q.prefix).arg(&app.settings.agent).arg(epoch);
-        if let Err(e) = app.store.eval::<i64>(&inv).await {
+        if let Err(e) = scripts::fence(&app.store, &q.prefix, &app.settings.agent, epoch).await {
             tracing::warn!(tenant = %q.tenant, resource = %q.resource, error = %e, "cannot raise the epoch fence");
         }
     }

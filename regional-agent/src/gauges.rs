@@ -8,7 +8,8 @@
 //! that leaves the agent's registry (idle for five minutes) leaves them too;
 //! their size follows the registry's (see [`crate::quotas`]).
 
-use crate::quotas::{PolicyInfo, View};
+use crate::quotas::PolicyInfo;
+use crate::scripts::View;
 use crate::AppState;
 use quota_shared::prom::Registry;
 use quota_shared::wire::FailMode;

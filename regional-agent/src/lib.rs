@@ -143,9 +143,11 @@ pub mod guard;
 pub mod health;
 pub mod keys;
 pub mod outbox;
+pub mod plan;
 pub mod quotas;
 pub mod redis_tls;
 pub mod renew;
+pub mod scripts;
 pub mod sentinel;
 pub mod spend;
 pub mod store;
@@ -354,7 +356,7 @@ async fn boot(app: &AppState) {
                         if let Some(q) = app.quota_of(t, r, true) {
                             // Its cached policy, so it does not count as
                             // learning (that would hold new names back).
-                            let _ = renew::load_policy(app, &q).await;
+                            let _ = q.load_policy(&app.store).await;
                             if let Some(t) = std::time::Instant::now().checked_sub(renew::IDLE_AFTER * 2) {
                                 *q.last_used.lock().unwrap() = t;
                             }

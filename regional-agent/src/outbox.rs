@@ -33,8 +33,9 @@
 //! no error body) stays and is retried with backoff.
 
 use crate::client::CallError;
-use crate::keys::Keys;
-use crate::store::{StoreError, CUT};
+use crate::keys::{Keys, COUNTER_TTL_MS};
+use crate::scripts;
+use crate::store::StoreError;
 use crate::AppState;
 use chrono::{TimeZone, Utc};
 use quota_shared::wire::{ReleaseRequest, ReportItem, ReportRequest};
@@ -175,8 +176,7 @@ pub async fn heartbeat(app: &AppState) {
     let set = app.keys.region_agents(region);
     let _: Result<i64, _> = app.store.cmd(redis::cmd("SADD").arg(&set).arg(agent)).await;
     // A region nobody runs in any more leaves nothing behind (F04).
-    let _: Result<i64, _> =
-        app.store.cmd(redis::cmd("PEXPIRE").arg(&set).arg(crate::spend::COUNTER_TTL_MS)).await;
+    let _: Result<i64, _> = app.store.cmd(redis::cmd("PEXPIRE").arg(&set).arg(COUNTER_TTL_MS)).await;
 }
 
 /// Repeats rounds until every outbox is empty or `deadline` passes (at
@@ -244,8 +244,7 @@ pub async fn drain_all(app: &AppState, until: Option<Instant>) -> i64 {
     // counters' ttl: a set of an agent id that never comes back expires (F04).
     if !stopped {
         let set = app.keys.agent_quotas(&app.settings.region, &app.settings.agent);
-        let _: Result<i64, _> =
-            app.store.cmd(redis::cmd("PEXPIRE").arg(set).arg(crate::spend::COUNTER_TTL_MS)).await;
+        let _: Result<i64, _> = app.store.cmd(redis::cmd("PEXPIRE").arg(set).arg(COUNTER_TTL_MS)).await;
     }
     left
 }
@@ -261,13 +260,7 @@ async fn drain_list(
     cut: bool,
 ) -> Result<i64, StoreError> {
     if cut {
-        let mut inv = CUT.prepare_invoke();
-        inv.key(Keys::incarnation(prefix))
-            .arg(prefix)
-            .arg(&s.owner)
-            .arg(uuid::Uuid::new_v4().to_string())
-            .arg(MAX_OUTBOX);
-        let _: i64 = app.store.eval(&inv).await?;
+        scripts::cut(&app.store, prefix, &s.owner, &uuid::Uuid::new_v4().to_string(), MAX_OUTBOX).await?;
     }
     let ob = Keys::outbox(prefix, &s.owner);
     let entries: Vec<String> = app.store.cmd(redis::cmd("LRANGE").arg(&ob).arg(0).arg(BATCH - 1)).await?;
@@ -418,8 +411,7 @@ async fn dead_letter(
     let _: Result<i64, _> = app.store.cmd(redis::cmd("LPUSH").arg(&key).arg(letter.to_string())).await;
     let _: Result<String, _> =
         app.store.cmd(redis::cmd("LTRIM").arg(&key).arg(0).arg(MAX_DEAD_LETTERS - 1)).await;
-    let _: Result<i64, _> =
-        app.store.cmd(redis::cmd("PEXPIRE").arg(&key).arg(crate::spend::COUNTER_TTL_MS)).await;
+    let _: Result<i64, _> = app.store.cmd(redis::cmd("PEXPIRE").arg(&key).arg(COUNTER_TTL_MS)).await;
 }
 
 /// The region's dead letters: how many, and the newest `n`.

@@ -6,10 +6,11 @@
 //! it wakes the renewer and waits (bounded) for it, and it answers from the
 //! region's fallback counter only while the allocator is unreachable.
 
-use crate::batch::{self, Ask, Common, Spend};
+use crate::batch;
 use crate::error::{Error, Result};
 use crate::keys::Keys;
 use crate::quotas::{self, PolicyInfo, Quota};
+use crate::scripts::{self, Admit, Ask, Caller, Common, On, Outcome, Spend};
 use crate::AppState;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -35,9 +36,6 @@ pub fn router() -> Router<AppState> {
 pub const MAX_COST: i64 = 1_000_000_000;
 /// Longest `request_id` accepted.
 pub const MAX_REQUEST_ID_LEN: usize = 128;
-/// TTL of the region's counters and lease books: long enough to outlive a
-/// long partition before the counts are reported.
-pub const COUNTER_TTL_MS: i64 = 7 * 24 * 3600 * 1000;
 /// How long past its window's end a request id is remembered.
 pub const REQUEST_ID_MARGIN_MS: i64 = 10_000;
 /// Longest a request waits for a next-window lease about to open.
@@ -57,14 +55,6 @@ pub struct AcquireRequest {
     pub cost: i64,
     #[serde(default)]
     pub request_id: Option<String>,
-}
-
-/// An admit.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Admit {
-    pub source: String,
-    pub window_start: i64,
-    pub remaining: i64,
 }
 
 fn parse(body: std::result::Result<Bytes, BytesRejection>) -> Result<AcquireRequest> {
@@ -208,7 +198,7 @@ async fn decide(app: &AppState, req: &AcquireRequest, policy_out: &mut Option<Po
     }
     let mut policy = q.policy();
     if policy.is_none() {
-        policy = crate::renew::load_policy(app, &q).await;
+        policy = q.load_policy(&app.store).await;
     }
     if policy.is_none() {
         // The first acquire of a quota nobody in the region knows: wait for
@@ -345,12 +335,12 @@ async fn spend_with_waits(
             }
         };
         let (wait_ms, exhausted_ms) = match r {
-            Spend::Admit(a) => return Ok(a),
+            Outcome::Ran { value: Spend::Admit(a), .. } => return Ok(a),
             // The script has stranded what it could not trust and the
-            // batch noted the loss (re-registering); decide again on the
+            // run settled the loss (re-registering); decide again on the
             // fresh incarnation.
-            Spend::Lost => continue,
-            Spend::None { wait_ms, exhausted_ms } => (wait_ms, exhausted_ms),
+            Outcome::Lost(_) => continue,
+            Outcome::Ran { value: Spend::None { wait_ms, exhausted_ms }, .. } => (wait_ms, exhausted_ms),
         };
         counted = true;
         let seen =
@@ -442,7 +432,7 @@ async fn spend_once(
     req: &AcquireRequest,
     fallback: bool,
     count_demand: bool,
-) -> std::result::Result<Spend, crate::store::StoreError> {
+) -> batch::Answer {
     let common = Common {
         fallback,
         window_secs: p.window_secs,
@@ -452,9 +442,28 @@ async fn spend_once(
     let rid = req.request_id.as_deref().map(Keys::request_id_suffix).unwrap_or_default();
     let ask = Ask { cost: req.cost, rid, count_demand };
     let sent = Instant::now();
-    let r = batch::spend(app, q, common, ask).await;
+    let run = {
+        let (app, q) = (app.clone(), q.clone());
+        move |common, asks: Vec<Ask>| {
+            let (app, q) = (app.clone(), q.clone());
+            async move { spend_run(&app, &q, common, &asks).await }
+        }
+    };
+    let r = batch::spend(&q.spends, app.settings.redis_timeout, common, ask, run).await;
     app.metrics.observe("agent_acquire_store_seconds", &[], sent.elapsed().as_secs_f64());
     r
+}
+
+/// One run of the spend script for `asks` on the quota, settled (the
+/// token adopted, a loss handled) before its answers go out.
+async fn spend_run(app: &AppState, q: &Quota, common: Common, asks: &[Ask]) -> batch::RunAnswer {
+    app.metrics.inc("agent_spend_runs_total", &[]);
+    let token = q.token();
+    let on = On { prefix: &q.prefix, token: &token };
+    let by = Caller { agent: &app.settings.agent, epoch: app.ident.epoch() };
+    let r = scripts::spend(&app.store, on, by, common, asks).await?;
+    q.settle(&r, &app.ident, &app.metrics);
+    Ok(r)
 }
 
 #[cfg(test)]
