@@ -158,7 +158,8 @@ use crate::epoch::Identity;
 use crate::keys::Keys;
 use crate::quotas::{Quota, Quotas};
 use crate::store::Store;
-use axum::extract::{DefaultBodyLimit, Request};
+use axum::extract::{DefaultBodyLimit, MatchedPath, Request};
+use axum::response::Response;
 use axum::Router;
 use quota_shared::clock::{Clock, OffsetClock, SystemClock};
 use quota_shared::prom::Registry;
@@ -315,14 +316,32 @@ impl App {
     }
 }
 
-/// The agent's router.
+/// The agent's router; every request runs in a span (see [`request_span`]).
 pub fn router(app: AppState) -> Router {
+    let trace = tower_http::trace::TraceLayer::new_for_http()
+        .make_span_with(request_span)
+        .on_response(|res: &Response, latency: Duration, span: &tracing::Span| {
+            span.record("status", res.status().as_u16());
+            tracing::debug!(latency_ms = latency.as_millis() as u64, "answered");
+        })
+        // A 503 is an answer the agent chose (partition, store down), not
+        // a failure to log at error level once per request.
+        .on_failure(());
     Router::new()
         .merge(spend::router())
         .merge(health::router())
         .fallback(|req: Request| async move { error::Error::NoRoute(req.uri().path().to_string()) })
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .layer(trace)
         .with_state(app)
+}
+
+/// The span of one request: its method, its route (the matched path, so a
+/// span's fields are bounded by the routes, whatever the URI) and, once
+/// answered, its status.
+fn request_span(req: &Request) -> tracing::Span {
+    let route = req.extensions().get::<MatchedPath>().map(MatchedPath::as_str).unwrap_or("unmatched");
+    tracing::info_span!("request", method = %req.method(), route, status = tracing::field::Empty)
 }
 
 /// Finds out whether the region's Redis is new (or lost its data) and loads

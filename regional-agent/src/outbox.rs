@@ -197,6 +197,7 @@ pub async fn final_drain(app: &AppState, deadline: Duration) -> i64 {
 /// A round stops at the first Redis failure or at `until`: with thousands of
 /// quotas and Redis gone, one timeout per quota would hold a shutdown for
 /// minutes.
+#[tracing::instrument(skip_all)]
 pub async fn drain_all(app: &AppState, until: Option<Instant>) -> i64 {
     let epoch = app.ident.epoch();
     if epoch == 0 {
@@ -251,6 +252,7 @@ pub async fn drain_all(app: &AppState, until: Option<Instant>) -> i64 {
 
 /// Cuts (when `cut`) and sends one quota's list of `s.owner`; returns the
 /// entries left in it.
+#[tracing::instrument(skip_all, fields(tenant, resource, agent = %s.owner))]
 async fn drain_list(
     app: &AppState,
     prefix: &str,

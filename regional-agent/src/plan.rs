@@ -180,12 +180,13 @@ mod tests {
                 some(None, Some(10)),
             ),
             (
+                // ⌈200/s × 0.4 s × 1.05⌉ + 1, and the next window's chunk.
                 "near the end: never more than the rest of the window uses",
                 with(|i| {
                     i.rate = 200.0;
                     i.to_end_ms = 400;
                 }),
-                some(Some(86), Some(200)),
+                some(Some(85), Some(200)),
             ),
             (
                 "cold burst before the first reading: the floor",

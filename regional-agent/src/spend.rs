@@ -26,6 +26,7 @@ use serde::Deserialize;
 use serde_json::json;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use tracing::field::Empty;
 
 /// Routes of this module.
 pub fn router() -> Router<AppState> {
@@ -110,6 +111,7 @@ fn parse(body: std::result::Result<Bytes, BytesRejection>) -> Result<AcquireRequ
     ),
     tag = "agent"
 )]
+#[tracing::instrument(skip_all, fields(tenant = Empty, resource = Empty, cost = Empty, outcome = Empty))]
 pub(crate) async fn acquire(
     State(app): State<AppState>,
     body: std::result::Result<Bytes, BytesRejection>,
@@ -117,8 +119,12 @@ pub(crate) async fn acquire(
     let started = Instant::now();
     let mut policy = None;
     let mut name = String::from("unknown");
+    let span = tracing::Span::current();
     let result = match parse(body) {
         Ok(req) => {
+            span.record("tenant", req.tenant.as_str());
+            span.record("resource", req.resource.as_str());
+            span.record("cost", req.cost);
             name = format!("{}/{}", req.tenant, req.resource);
             decide(&app, &req, &mut policy).await
         }
@@ -141,6 +147,8 @@ pub(crate) async fn acquire(
         }
         Err(e) => (e.code(), 0, e.into_response()),
     };
+    span.record("outcome", outcome);
+    tracing::debug!(remaining, "acquire answered");
     rate_limit_headers(resp.headers_mut(), &name, policy, remaining, now);
     app.metrics.inc("agent_acquire_total", &[("outcome", outcome)]);
     crate::gauges::count_refusal(&app.metrics, &name, policy.is_some(), outcome);
