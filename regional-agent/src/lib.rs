@@ -9,9 +9,14 @@
 //! # Layout
 //!
 //! * [`config`]: flags and environment variables.
-//! * [`keys`]: the one audited key function (hash-tagged, length-prefixed).
+//! * [`keys`]: the one audited key function (hash-tagged, length-prefixed):
+//!   every Redis key name the Rust side uses, and the keys' TTL.
+//! * [`scripts`]: the agent's Redis contract, the only place that knows each
+//!   Lua script of `lua/*.lua` (KEYS and ARGV order, reply shape): typed
+//!   calls `spend`, `view`, `credit`, `cut`, `fence`, `unlock`, each a span;
+//!   a changed incarnation comes back as one `Lost` outcome.
 //! * [`store`]: the Redis connection (single, cluster or through Sentinel),
-//!   timeouts, the Lua scripts of `lua/*.lua`.
+//!   timeouts, the store's health for `/readyz`.
 //! * [`sentinel`]: the primary found through Sentinel, looked up again
 //!   after a failover.
 //! * [`redis_tls`]: the certificates of `rediss://` links.
@@ -21,16 +26,28 @@
 //!   offset, computed at each scrape of `/metrics`.
 //! * [`client`], [`breaker`]: the allocator client with timeouts, capped
 //!   exponential backoff with jitter and a circuit breaker.
-//! * [`epoch`]: registration, epochs and fences (I4).
-//! * [`quotas`]: what the agent knows per quota (policy, demand, incarnation).
-//! * [`spend`]: `POST /v1/acquire` (I5, I2, fallback, I6).
+//! * [`identity`]: the agent's epoch and grant sequence (I4, I3).
+//! * [`epoch`]: registration and fences (I4).
+//! * [`quotas`]: what the agent knows per quota (policy and its cache in
+//!   Redis, demand, incarnation; `Quota::settle`, the one handling of a
+//!   changed incarnation).
+//! * [`spend`]: `POST /v1/acquire` (I5, I2, fallback, I6) and its rule
+//!   `step` (admit, wait for a renewal, fallback, 429 or 503).
 //! * [`batch`]: concurrent decisions on one quota share one script run.
 //! * [`renew`]: the background renewer (DESIGN §4), crediting (I5, I4).
+//! * [`plan`]: the renewer's rule as pure arithmetic: whether to renew the
+//!   current and the next window, and how many tokens to ask for.
 //! * [`outbox`]: cutting and draining reports and releases (I7), adopting
 //!   the outboxes of gone agents, refusals classified, dead letters.
 //! * [`fallback`]: the opt-in local allowance while Redis is unreachable.
 //! * [`health`]: `/v1/status`, `/healthz`, `/readyz`, `/metrics`.
 //! * [`error`]: the one error enum and its mapping to HTTP.
+//!
+//! Every request runs in a `request` span (method, route, status); an
+//! acquire in an `acquire` span (tenant, resource, cost, outcome), a
+//! renewal round in a `renew_once` span and an outbox round in `drain_all`
+//! and `drain_list` spans (tenant, resource); each script round trip has a
+//! `debug` span. With `--log-format json` every line lists its spans.
 //!
 //! # Behaviour where DESIGN is silent
 //!
@@ -141,6 +158,7 @@ pub mod fallback;
 pub mod gauges;
 pub mod guard;
 pub mod health;
+pub mod identity;
 pub mod keys;
 pub mod outbox;
 pub mod plan;
@@ -154,7 +172,7 @@ pub mod store;
 
 use crate::client::AllocatorClient;
 use crate::config::Settings;
-use crate::epoch::Identity;
+use crate::identity::Identity;
 use crate::keys::Keys;
 use crate::quotas::{Quota, Quotas};
 use crate::store::Store;

@@ -14,7 +14,7 @@
 //! registry entry and no task behind.
 
 use crate::batch::SpendQueue;
-use crate::epoch::Identity;
+use crate::identity::Identity;
 use crate::keys::Keys;
 use crate::scripts::{LossCause, Outcome, View};
 use crate::store::Store;

@@ -9,7 +9,7 @@
 //! (credit) check its incarnation first (see `lua/prelude.lua`). Their
 //! answer is an [`Outcome`]: either the value, with the incarnation the
 //! script ran on, or one [`Lost`] saying the state changed under the token
-//! sent; the agent handles both in one place ([`crate::quotas::Quota::settle`]).
+//! sent; the agent handles both in one place (`Quota::settle` in `quotas`).
 //!
 //! Every call is one round trip with a span of its own (level `debug`).
 

@@ -2,7 +2,7 @@
 //! server, a cluster connection for Redis Cluster, or the primary found
 //! through Sentinel, see [`crate::sentinel`]), every call bounded by a
 //! timeout. The Lua scripts, their arguments and replies are
-//! [`crate::scripts`]'s; this module only runs them.
+//! the `scripts` module's; this module only runs them.
 //!
 //! Errors are not classified further: whatever Redis answers other than a
 //! result means the agent cannot decide, which is `503 store_unavailable`

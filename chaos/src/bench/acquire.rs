@@ -160,7 +160,9 @@ pub async fn run(rig: &Rig, plan: &Plan, out: &mut Results, progress: &dyn Fn(&s
         .await
         .map_err(|e| format!("reading the incarnation key: {e}"))?;
     let token = token.ok_or("the agent's incarnation key is missing after warm-up")?;
-    let store = Store::connect(&[redis.url.clone()], false, None, &TlsFiles::default(), CALL_TIMEOUT).await?;
+    let store =
+        Store::connect(std::slice::from_ref(&redis.url), false, None, &TlsFiles::default(), CALL_TIMEOUT)
+            .await?;
     let args = SpendArgs {
         prefix: prefix.clone(),
         token,
