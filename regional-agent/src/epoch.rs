@@ -5,11 +5,11 @@
 //! released, and their late grant answers are never credited. The
 //! agent's epoch itself is [`crate::identity`]'s.
 
+use crate::app::AppState;
 use crate::breaker::backoff;
 use crate::quotas::Quotas;
 use crate::scripts;
 use crate::store::Store;
-use crate::AppState;
 use std::time::Duration;
 
 /// Registers at start and whenever asked, with capped backoff.

@@ -3,7 +3,7 @@
 //! `/v1/status` (per quota: lease tokens left, their
 //! remaining life, demand, mode, allocator reachability, epoch).
 
-use crate::AppState;
+use crate::app::AppState;
 use axum::extract::State;
 use axum::http::{header, StatusCode};
 use axum::response::IntoResponse;

@@ -12,6 +12,7 @@
 //! `allocator_now = expires_at − expires_in_ms` is read from the answer
 //! itself, so only the allocator's clock is ever subtracted from itself.
 
+use crate::app::AppState;
 use crate::breaker::backoff;
 use crate::client::CallError;
 use crate::keys::Keys;
@@ -19,7 +20,6 @@ use crate::plan::{self, PlanInput};
 use crate::quotas::{Quota, IDLE_EVICT};
 use crate::scripts::{self, Caller, Credit, Lease, On, Outcome, View, ViewArgs};
 use crate::store::StoreError;
-use crate::AppState;
 use quota_shared::window::Window;
 use quota_shared::wire::{GrantRequest, GrantResponse, WindowSel};
 use std::sync::atomic::Ordering;
@@ -50,6 +50,24 @@ fn heal_backoff(q: &Quota, not_before: Option<Instant>, reachable: bool) -> Opti
         return None;
     }
     not_before
+}
+
+/// The quota, created (with its renewer) on first use; `None` when
+/// [`crate::quotas::MAX_LEARNING`] quotas are still learning their policy.
+pub fn quota(app: &AppState, tenant: &str, resource: &str) -> Option<Arc<Quota>> {
+    quota_of(app, tenant, resource, false)
+}
+
+/// [`quota`]; `known` for a quota of the agent's quota set (see
+/// [`crate::quotas::Quotas::get_or_create`]).
+pub(crate) fn quota_of(app: &AppState, tenant: &str, resource: &str, known: bool) -> Option<Arc<Quota>> {
+    let first = if app.region_fresh.load(Ordering::SeqCst) { "?" } else { "" };
+    let (q, created) =
+        app.quotas.get_or_create(tenant, resource, || app.keys.quota(tenant, resource), first, known)?;
+    if created {
+        app.spawn(run(app.clone(), q.clone()));
+    }
+    Some(q)
 }
 
 /// The renew task of one quota; it ends when the quota leaves the registry

@@ -6,12 +6,13 @@
 //! it wakes the renewer and waits (bounded) for it, and it answers from the
 //! region's fallback counter only while the allocator is unreachable.
 
+use crate::app::AppState;
 use crate::batch;
 use crate::error::{Error, Result};
 use crate::keys::Keys;
 use crate::quotas::{self, PolicyInfo, Quota};
+use crate::renew;
 use crate::scripts::{self, Admit, Ask, Caller, Common, On, Outcome, Spend};
-use crate::AppState;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
@@ -199,7 +200,7 @@ async fn decide(app: &AppState, req: &AcquireRequest, policy_out: &mut Option<Po
     if app.unknown.contains(&req.tenant, &req.resource) {
         return Err(Error::UnknownQuota(format!("{}/{}", req.tenant, req.resource)));
     }
-    let q = app.quota(&req.tenant, &req.resource).ok_or(Error::TooManyQuotas)?;
+    let q = renew::quota(app, &req.tenant, &req.resource).ok_or(Error::TooManyQuotas)?;
     *q.last_used.lock().unwrap() = Instant::now();
     if q.unknown() {
         return Err(Error::UnknownQuota(format!("{}/{}", req.tenant, req.resource)));
