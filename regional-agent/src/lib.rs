@@ -9,6 +9,9 @@
 //! # Layout
 //!
 //! * [`config`]: flags and environment variables.
+//! * [`app`]: the state the handlers and tasks share (`App`); it knows no
+//!   handler or task, and each takes the parts it uses. This root module
+//!   wires them: the router, the tasks, start-up and shutdown.
 //! * [`keys`]: the one audited key function (hash-tagged, length-prefixed):
 //!   every Redis key name the Rust side uses, and the keys' TTL.
 //! * [`scripts`]: the agent's Redis contract, the only place that knows each

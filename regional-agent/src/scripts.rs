@@ -471,7 +471,7 @@ mod tests {
     }
 
     #[test]
-    fn spend_invocation_sends_keys_and_argv_in_the_scripts_order() {
+    fn spend_invocation_sends_one_key_ten_arguments_then_three_per_ask() {
         let common = Common { fallback: true, window_secs: 60, allowance: 7, rid_ttl_ms: 1234 };
         let asks = [
             Ask { cost: 3, rid: "3:r-1".into(), count_demand: true },

@@ -522,6 +522,65 @@ mod step_tests {
     }
 
     #[test]
+    fn the_acquire_rule_table() {
+        use FailMode::{Bounded, Strict};
+        let ms = Duration::from_millis;
+        // (case, seen, waited so far, next step), budget B = 600 ms.
+        let cases = [
+            ("lease opens now", seen(0, -1, true, Strict, false), ms(0), Step::SleepOpen(ms(2))),
+            (
+                "lease opens at the open-wait limit",
+                seen(MAX_OPEN_WAIT_MS, -1, true, Strict, false),
+                ms(0),
+                Step::SleepOpen(ms(252)),
+            ),
+            (
+                "an opening lease beats an empty mark",
+                seen(10, 900, true, Bounded, false),
+                ms(0),
+                Step::SleepOpen(ms(12)),
+            ),
+            (
+                "an opening lease is waited for even unreachable",
+                seen(10, -1, false, Strict, false),
+                ms(0),
+                Step::SleepOpen(ms(12)),
+            ),
+            ("pool empty, reachable: 429", seen(-1, 900, true, Bounded, false), ms(0), Step::Exhausted(900)),
+            (
+                "pool empty after the budget: still 429",
+                seen(-1, 900, true, Bounded, false),
+                ms(700),
+                Step::Exhausted(900),
+            ),
+            ("no mark (0 ms left): wait", seen(-1, 0, true, Bounded, false), ms(0), Step::WaitRenewal(B)),
+            (
+                "no token, budget left: wait the rest",
+                seen(-1, -1, true, Bounded, false),
+                ms(250),
+                Step::WaitRenewal(ms(350)),
+            ),
+            ("no token, budget spent: 503", seen(-1, -1, true, Bounded, false), ms(600), Step::Unavailable),
+            ("unreachable, strict: 503", seen(-1, -1, false, Strict, false), ms(0), Step::Unavailable),
+            (
+                "unreachable, bounded: try the fallback",
+                seen(-1, 900, false, Bounded, false),
+                ms(0),
+                Step::Again,
+            ),
+            (
+                "unreachable, fallback tried and spent: 503",
+                seen(-1, -1, false, Bounded, true),
+                ms(0),
+                Step::Unavailable,
+            ),
+        ];
+        for (case, s, waited, want) in cases {
+            assert_eq!(step(s, waited, B), want, "{case}");
+        }
+    }
+
+    #[test]
     fn the_budget_bounds_every_wait() {
         let s = seen(-1, -1, true, FailMode::Bounded, false);
         let mut waited = Duration::ZERO;
