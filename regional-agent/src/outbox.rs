@@ -252,7 +252,7 @@ pub async fn drain_all(app: &AppState, ob: &Outboxes, until: Option<Instant>) ->
 
 /// Cuts (when `cut`) and sends one quota's list of `s.owner`; returns the
 /// entries left in it.
-#[tracing::instrument(skip_all, fields(tenant, resource, agent = %s.owner))]
+#[tracing::instrument(skip_all, fields(tenant = tenant, resource = resource, agent = %s.owner))]
 async fn drain_list(
     app: &AppState,
     state: &Outboxes,

@@ -383,7 +383,7 @@ fn read_credit(r: &Reply) -> Outcome<Credit> {
 /// The cut script: moves the quota's unreported counts into one report
 /// entry (id `report_id`) of `agent`'s outbox, unless it holds
 /// `max_entries`. Returns the number of items cut.
-#[tracing::instrument(level = "debug", skip_all, fields(prefix))]
+#[tracing::instrument(level = "debug", skip_all, fields(prefix = prefix))]
 pub async fn cut(
     store: &Store,
     prefix: &str,
@@ -398,7 +398,7 @@ pub async fn cut(
 
 /// The fence script: raises `agent`'s epoch fence in the quota to `epoch`.
 /// Returns the fence in force.
-#[tracing::instrument(level = "debug", skip_all, fields(prefix, epoch))]
+#[tracing::instrument(level = "debug", skip_all, fields(prefix = prefix, epoch = epoch))]
 pub async fn fence(store: &Store, prefix: &str, agent: &str, epoch: i64) -> Result<i64, StoreError> {
     let mut inv = FENCE.prepare_invoke();
     inv.key(Keys::incarnation(prefix)).arg(prefix).arg(agent).arg(epoch);
@@ -407,7 +407,7 @@ pub async fn fence(store: &Store, prefix: &str, agent: &str, epoch: i64) -> Resu
 
 /// The unlock script: releases the quota's renew lock if `holder` still
 /// holds it. Returns whether it did.
-#[tracing::instrument(level = "debug", skip_all, fields(prefix))]
+#[tracing::instrument(level = "debug", skip_all, fields(prefix = prefix))]
 pub async fn unlock(store: &Store, prefix: &str, holder: &str) -> Result<bool, StoreError> {
     let mut inv = UNLOCK.prepare_invoke();
     inv.key(Keys::renew_lock(prefix)).arg(holder);

@@ -1,6 +1,7 @@
 //! Spans in the agent's JSON logs: with `--log-format json` every line
 //! names the spans it was written in, so an acquire can be followed by its
-//! tenant and resource, and a request by its route and status.
+//! tenant and resource, a renewal by its quota, and a request by its route
+//! and status.
 
 mod common;
 
@@ -47,6 +48,10 @@ async fn json_logs_carry_the_acquire_span_with_tenant_and_resource() {
     assert_eq!(spans[0]["name"], "request", "{answered}");
     assert_eq!(spans[0]["route"], "/v1/acquire", "{answered}");
     assert_eq!(answered["span"]["outcome"], "lease", "{answered}");
+
+    // The renewer's round that credited the lease runs in a span of the quota.
+    let credited = lines_in_span(&a.log(), "renew_once", &acquire_span);
+    assert!(credited.iter().any(|l| l["message"] == "lease credited"), "{credited:?}");
 
     // The request's span gets the answer's status.
     let route = [("route", json!("/v1/acquire")), ("status", json!(200))];
