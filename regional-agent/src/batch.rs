@@ -11,14 +11,11 @@
 //! holds at most [`MAX_QUEUED`] (a request beyond it runs on its own), and a
 //! request waits for its answer at most two Redis timeouts.
 
-use crate::keys::Keys;
-use crate::quotas::Quota;
-use crate::spend::Admit;
-use crate::store::{Reply, StoreError, SPEND};
-use crate::AppState;
-use redis::ScriptInvocation;
+use crate::scripts::{Ask, Common, Outcome, Spend};
+use crate::store::StoreError;
 use std::collections::VecDeque;
-use std::sync::Arc;
+use std::future::Future;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::oneshot;
 
@@ -27,45 +24,12 @@ pub const MAX_BATCH: usize = 64;
 /// Most requests queued per quota behind the run in flight.
 pub const MAX_QUEUED: usize = 1024;
 
-/// What every decision of one run shares.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Common {
-    /// Whether the region's fallback allowance may be used.
-    pub fallback: bool,
-    /// The quota's window length (s): the script takes the fallback window
-    /// from the region's one clock (I8), not from this agent's.
-    pub window_secs: i64,
-    /// Fallback allowance per window.
-    pub allowance: i64,
-    /// How long a request id is remembered (ms).
-    pub rid_ttl_ms: i64,
-}
+/// One request's answer: its decision, or the changed incarnation the run
+/// found (already handled by the runner: the request decides again).
+pub type Answer = Result<Outcome<Spend>, StoreError>;
 
-/// One request's part of a run.
-#[derive(Debug, Clone)]
-pub struct Ask {
-    pub cost: i64,
-    /// Request id key suffix, empty when the request carries none.
-    pub rid: String,
-    /// Whether this try counts toward demand (the first try of a request).
-    pub count_demand: bool,
-}
-
-/// What the script decided for one request.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Spend {
-    Admit(Admit),
-    /// The quota's Redis state changed incarnation or went back in time
-    /// (see `lua/prelude.lua`); the run already noted it
-    /// ([`crate::quotas::note_loss`]).
-    Lost,
-    None {
-        wait_ms: i64,
-        exhausted_ms: i64,
-    },
-}
-
-type Answer = Result<Spend, StoreError>;
+/// What a run of the spend script for a batch of asks answers.
+pub type RunAnswer = Result<Outcome<Vec<Spend>>, StoreError>;
 
 struct Queued {
     common: Common,
@@ -76,34 +40,52 @@ struct Queued {
 /// A quota's queue of requests waiting for a run.
 #[derive(Default)]
 pub struct SpendQueue {
+    inner: Mutex<Inner>,
+}
+
+#[derive(Default)]
+struct Inner {
     queue: VecDeque<Queued>,
     /// Whether a drainer task runs for this quota.
     running: bool,
 }
 
-/// Decides one request, in a run shared with the requests queued beside it.
-pub async fn spend(app: &AppState, q: &Arc<Quota>, common: Common, ask: Ask) -> Answer {
+/// Decides one request, in a run shared with the requests queued beside
+/// it. `run` makes one run of the spend script for the asks given (the
+/// caller's: it knows the quota, the store and what a loss means);
+/// `redis_timeout` bounds each run.
+pub async fn spend<R, Fut>(
+    queue: &Arc<SpendQueue>,
+    redis_timeout: Duration,
+    common: Common,
+    ask: Ask,
+    run: R,
+) -> Answer
+where
+    R: Fn(Common, Vec<Ask>) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = RunAnswer> + Send + 'static,
+{
     let (tx, rx) = oneshot::channel();
     // The ask comes back only when the queue is full.
     let alone = {
-        let mut sq = q.spends.lock().unwrap();
+        let mut sq = queue.inner.lock().unwrap();
         if sq.queue.len() >= MAX_QUEUED {
-            Some(ask)
+            Some((ask, run))
         } else {
             sq.queue.push_back(Queued { common, ask, tx });
             if !sq.running {
                 sq.running = true;
-                tokio::spawn(drain(app.clone(), q.clone()));
+                tokio::spawn(drain(queue.clone(), run));
             }
             None
         }
     };
-    if let Some(ask) = alone {
-        return run(app, q, common, std::slice::from_ref(&ask)).await?.pop().ok_or_else(short);
+    if let Some((ask, run)) = alone {
+        return split(run(common, vec![ask]).await, 1).pop().unwrap_or_else(|| Err(short()));
     }
     // The run ahead of this request's and its own, each bounded by the
     // Redis timeout.
-    let bound = app.settings.redis_timeout * 2 + Duration::from_millis(50);
+    let bound = redis_timeout * 2 + Duration::from_millis(50);
     match tokio::time::timeout(bound, rx).await {
         Ok(Ok(answer)) => answer,
         Ok(Err(_)) => Err(StoreError::Protocol("the quota's spend run stopped".into())),
@@ -115,29 +97,45 @@ fn short() -> StoreError {
     StoreError::Protocol("the spend script answered fewer decisions than requests".into())
 }
 
-/// Clears the quota's `running` flag if the drainer dies before it could
+/// A run's answer as `n` requests' answers.
+fn split(r: RunAnswer, n: usize) -> Vec<Answer> {
+    match r {
+        Ok(Outcome::Ran { token, value }) if value.len() == n => {
+            value.into_iter().map(|d| Ok(Outcome::Ran { token: token.clone(), value: d })).collect()
+        }
+        Ok(Outcome::Ran { .. }) => (0..n).map(|_| Err(short())).collect(),
+        Ok(Outcome::Lost(l)) => (0..n).map(|_| Ok(Outcome::Lost(l.clone()))).collect(),
+        Err(e) => (0..n).map(|_| Err(e.clone())).collect(),
+    }
+}
+
+/// Clears the queue's `running` flag if the drainer dies before it could
 /// (a panic), so that the next request starts a new one.
 struct Running<'a> {
-    q: &'a Quota,
+    q: &'a SpendQueue,
     armed: bool,
 }
 
 impl Drop for Running<'_> {
     fn drop(&mut self) {
         if self.armed {
-            if let Ok(mut sq) = self.q.spends.lock() {
+            if let Ok(mut sq) = self.q.inner.lock() {
                 sq.running = false;
             }
         }
     }
 }
 
-/// Runs the quota's queue until it is empty.
-async fn drain(app: AppState, q: Arc<Quota>) {
+/// Runs the queue until it is empty.
+async fn drain<R, Fut>(q: Arc<SpendQueue>, run: R)
+where
+    R: Fn(Common, Vec<Ask>) -> Fut,
+    Fut: Future<Output = RunAnswer>,
+{
     let mut guard = Running { q: &q, armed: true };
     loop {
         let (common, batch) = {
-            let mut sq = q.spends.lock().unwrap();
+            let mut sq = q.inner.lock().unwrap();
             // A request that stopped waiting (timeout) is not decided: its
             // client already has another answer.
             while sq.queue.front().is_some_and(|e| e.tx.is_closed()) {
@@ -159,97 +157,35 @@ async fn drain(app: AppState, q: Arc<Quota>) {
             (common, batch)
         };
         let asks: Vec<Ask> = batch.iter().map(|e| e.ask.clone()).collect();
-        match run(&app, &q, common, &asks).await {
-            Ok(decisions) if decisions.len() == batch.len() => {
-                for (e, d) in batch.into_iter().zip(decisions) {
-                    let _ = e.tx.send(Ok(d));
-                }
-            }
-            Ok(_) => {
-                for e in batch {
-                    let _ = e.tx.send(Err(short()));
-                }
-            }
-            Err(err) => {
-                for e in batch {
-                    let _ = e.tx.send(Err(err.clone()));
-                }
-            }
+        let answers = split(run(common, asks).await, batch.len());
+        for (e, a) in batch.into_iter().zip(answers) {
+            let _ = e.tx.send(a);
         }
     }
 }
 
-/// The one place that knows `lua/spend.lua`'s KEYS and ARGV order (the
-/// bench calls it too): an invocation deciding `asks` in order.
-pub fn spend_invocation(
-    prefix: &str,
-    token: &str,
-    fresh: &str,
-    common: Common,
-    agent: &str,
-    epoch: i64,
-    asks: &[Ask],
-) -> ScriptInvocation<'static> {
-    let mut inv = SPEND.prepare_invoke();
-    inv.key(Keys::incarnation(prefix))
-        .arg(prefix)
-        .arg(token)
-        .arg(fresh)
-        .arg(common.rid_ttl_ms)
-        .arg(if common.fallback { "1" } else { "0" })
-        .arg(common.window_secs)
-        .arg(common.allowance)
-        .arg(crate::spend::COUNTER_TTL_MS)
-        .arg(agent)
-        .arg(epoch);
-    for a in asks {
-        inv.arg(a.cost).arg(&a.rid).arg(if a.count_demand { "1" } else { "0" });
-    }
-    inv
-}
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::scripts::{Admit, LossCause, Lost};
 
-/// One run of the spend script for `asks`, in order.
-async fn run(app: &AppState, q: &Quota, common: Common, asks: &[Ask]) -> Result<Vec<Spend>, StoreError> {
-    let fresh = uuid::Uuid::new_v4().simple().to_string();
-    let inv =
-        spend_invocation(&q.prefix, &q.token(), &fresh, common, &app.settings.agent, app.ident.epoch(), asks);
-    app.metrics.inc("agent_spend_runs_total", &[]);
-    let r: Reply = app.store.eval(&inv).await?;
-    let token = r.str(1);
-    if !token.is_empty() {
-        let mut t = q.token.lock().unwrap();
-        if *t != token {
-            *t = token;
-        }
+    #[test]
+    fn a_runs_answer_reaches_each_request_of_the_batch() {
+        let admit = |r| Spend::Admit(Admit { source: "lease".into(), window_start: 0, remaining: r });
+        let ran = Ok(Outcome::Ran { token: "t".into(), value: vec![admit(2), admit(1)] });
+        let got: Vec<_> = split(ran, 2).into_iter().map(|a| a.unwrap()).collect();
+        assert_eq!(
+            got,
+            [
+                Outcome::Ran { token: "t".into(), value: admit(2) },
+                Outcome::Ran { token: "t".into(), value: admit(1) }
+            ]
+        );
+        // A loss is every request's; a short answer an error for each.
+        let lost = Lost { token: "n".into(), cause: LossCause::Lost };
+        let got: Vec<_> = split(Ok(Outcome::Lost(lost.clone())), 3).into_iter().map(|a| a.unwrap()).collect();
+        assert_eq!(got, vec![Outcome::Lost(lost); 3]);
+        let short_run = Ok(Outcome::Ran { token: "t".into(), value: vec![admit(1)] });
+        assert!(split(short_run, 2).iter().all(|a| matches!(a, Err(StoreError::Protocol(_)))));
     }
-    match r.str(0).as_str() {
-        "lost" => {
-            let flag = r.int(2);
-            crate::quotas::note_loss(app, q, flag);
-            Ok(asks.iter().map(|_| Spend::Lost).collect())
-        }
-        "ok" => (0..asks.len()).map(|i| decision(&r.nested(2 + i))).collect(),
-        other => Err(StoreError::Protocol(other.to_string())),
-    }
-}
-
-/// One decision of the script's answer.
-fn decision(d: &Reply) -> Result<Spend, StoreError> {
-    let code = d.str(0);
-    Ok(match code.as_str() {
-        "lease" | "fallback" => {
-            Spend::Admit(Admit { source: code, window_start: d.int(1), remaining: d.int(2) })
-        }
-        "dup" => {
-            let s = d.str(1);
-            let mut it = s.splitn(3, ':');
-            let source = it.next().unwrap_or("lease").to_string();
-            let ws = it.next().and_then(|v| v.parse().ok()).unwrap_or(0);
-            let remaining = it.next().and_then(|v| v.parse().ok()).unwrap_or(0);
-            Spend::Admit(Admit { source, window_start: ws, remaining })
-        }
-        "none" => Spend::None { wait_ms: d.int(1), exhausted_ms: d.int(2) },
-        "" => return Err(short()),
-        other => return Err(StoreError::Protocol(other.to_string())),
-    })
 }

@@ -2,67 +2,33 @@
 //! when its Redis state was lost or the allocator says its epoch is stale;
 //! a new epoch resets the grant sequence and raises the agent's fence in
 //! every quota it knows, so leases of older epochs are retired and
-//! released, and their late grant answers are never credited.
+//! released, and their late grant answers are never credited. The
+//! agent's epoch itself is [`crate::identity`]'s.
 
+use crate::app::AppState;
 use crate::breaker::backoff;
-use crate::keys::Keys;
-use crate::store::FENCE;
-use crate::AppState;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Mutex;
+use crate::quotas::Quotas;
+use crate::scripts;
+use crate::store::Store;
 use std::time::Duration;
-use tokio::sync::Notify;
-
-/// The agent's incarnation at the allocator.
-#[derive(Default)]
-pub struct Identity {
-    /// `(epoch, next seq)`; one lock so a grant never pairs a new epoch with
-    /// an old sequence number (that would look like a replay, I3).
-    state: Mutex<(i64, i64)>,
-    need: AtomicBool,
-    wake: Notify,
-    /// Notified after each successful registration.
-    pub registered: Notify,
-}
-
-impl Identity {
-    /// The current epoch, 0 before the first registration.
-    pub fn epoch(&self) -> i64 {
-        self.state.lock().unwrap().0
-    }
-
-    /// The epoch and a fresh sequence number for a grant.
-    pub fn next_seq(&self) -> (i64, i64) {
-        let mut s = self.state.lock().unwrap();
-        let seq = s.1;
-        s.1 += 1;
-        (s.0, seq)
-    }
-
-    /// Asks the registration task for a new epoch.
-    pub fn request_register(&self) {
-        self.need.store(true, Ordering::SeqCst);
-        self.wake.notify_one();
-    }
-}
 
 /// Registers at start and whenever asked, with capped backoff.
 pub async fn run(app: AppState) {
     let mut failures = 0u32;
     loop {
-        let due = app.ident.epoch() == 0 || app.ident.need.swap(false, Ordering::SeqCst);
+        let due = app.ident.epoch() == 0 || app.ident.take_request();
         if due {
             match app.alloc.register(&app.settings.region, &app.settings.agent).await {
                 Ok(r) => {
                     failures = 0;
-                    *app.ident.state.lock().unwrap() = (r.epoch, 0);
+                    app.ident.registered_as(r.epoch);
                     app.metrics.set("agent_epoch", &[], r.epoch as f64);
                     tracing::info!(region = %app.settings.region, agent = %app.settings.agent, epoch = r.epoch, "registered");
-                    fence_all(&app, r.epoch).await;
+                    fence_all(&app.store, &app.quotas, &app.settings.agent, r.epoch).await;
                     app.ident.registered.notify_waiters();
                 }
                 Err(e) => {
-                    app.ident.need.store(true, Ordering::SeqCst);
+                    app.ident.keep_request();
                     failures += 1;
                     tracing::warn!(error = %e, "registration failed; retrying");
                     let d = backoff(failures, Duration::from_millis(100), Duration::from_secs(5));
@@ -76,7 +42,7 @@ pub async fn run(app: AppState) {
         }
         tokio::select! {
             _ = app.cancel.cancelled() => return,
-            _ = app.ident.wake.notified() => {},
+            _ = app.ident.requested() => {},
             _ = tokio::time::sleep(Duration::from_secs(1)) => {},
         }
     }
@@ -84,11 +50,9 @@ pub async fn run(app: AppState) {
 
 /// Raises this agent's fence to `epoch` in every known quota (a quota still
 /// learning its policy has no lease to fence and may not exist: no key).
-pub async fn fence_all(app: &AppState, epoch: i64) {
-    for q in app.quotas.all().into_iter().filter(|q| q.policy().is_some()) {
-        let mut inv = FENCE.prepare_invoke();
-        inv.key(Keys::incarnation(&q.prefix)).arg(&q.prefix).arg(&app.settings.agent).arg(epoch);
-        if let Err(e) = app.store.eval::<i64>(&inv).await {
+pub async fn fence_all(store: &Store, quotas: &Quotas, agent: &str, epoch: i64) {
+    for q in quotas.all().into_iter().filter(|q| q.policy().is_some()) {
+        if let Err(e) = scripts::fence(store, &q.prefix, agent, epoch).await {
             tracing::warn!(tenant = %q.tenant, resource = %q.resource, error = %e, "cannot raise the epoch fence");
         }
     }

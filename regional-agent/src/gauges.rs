@@ -8,8 +8,8 @@
 //! that leaves the agent's registry (idle for five minutes) leaves them too;
 //! their size follows the registry's (see [`crate::quotas`]).
 
-use crate::quotas::{PolicyInfo, View};
-use crate::AppState;
+use crate::quotas::{PolicyInfo, Quotas};
+use crate::scripts::View;
 use quota_shared::prom::Registry;
 use quota_shared::wire::FailMode;
 
@@ -82,16 +82,28 @@ pub fn describe(m: &Registry) {
 
 type Series = Vec<(Vec<(&'static str, String)>, f64)>;
 
-/// Rebuilds the families (called by `GET /metrics`).
-pub fn refresh(app: &AppState) {
-    let m = &app.metrics;
+/// Who the agent is, for `agent_info`.
+pub struct Identity<'a> {
+    pub region: &'a str,
+    pub agent: &'a str,
+}
+
+/// Rebuilds the families (called by `GET /metrics`) from the quotas the
+/// agent holds, whether the allocator is `reachable`, and the allocator's
+/// clock `offset` to this host's.
+pub fn refresh(
+    m: &Registry,
+    who: Identity<'_>,
+    quotas: &Quotas,
+    reachable: bool,
+    offset: Option<chrono::Duration>,
+) {
     m.set_family(
         "agent_info",
-        vec![(vec![("region", app.settings.region.clone()), ("agent", app.settings.agent.clone())], 1.0)],
+        vec![(vec![("region", who.region.to_string()), ("agent", who.agent.to_string())], 1.0)],
     );
-    let reachable = app.allocator_reachable();
     let (mut modes, mut versions): (Series, Series) = Default::default();
-    for q in app.quotas.all() {
+    for q in quotas.all() {
         let quota = format!("{}/{}", q.tenant, q.resource);
         let policy = q.policy();
         let now = mode(reachable, policy, &q.view.lock().unwrap());
@@ -107,7 +119,7 @@ pub fn refresh(app: &AppState) {
     }
     m.set_family("agent_quota_mode", modes);
     m.set_family("agent_policy_version", versions);
-    if let Some(off) = app.allocator_clock_offset() {
+    if let Some(off) = offset {
         m.set("agent_allocator_clock_offset_seconds", &[], off.num_milliseconds() as f64 / 1000.0);
     }
 }

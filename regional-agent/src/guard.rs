@@ -25,11 +25,11 @@
 
 use crate::error::Error;
 use crate::store::{Store, StoreError};
-use crate::AppState;
 use quota_shared::prom::Registry;
 use redis::Value;
 use std::sync::Mutex;
 use std::time::Duration;
+use tokio_util::sync::CancellationToken;
 
 /// The one policy under which Redis never drops a key on its own.
 pub const SAFE_POLICY: &str = "noeviction";
@@ -304,37 +304,43 @@ async fn read(store: &Store) -> Result<Vec<InfoFields>, StoreError> {
     Ok(nodes)
 }
 
-/// Runs one check and records its result; `true` when it succeeded.
-pub async fn check(app: &AppState) -> bool {
-    match read(&app.store).await {
+/// Runs one check and records its result in `guard`; `true` when it succeeded.
+pub async fn check(store: &Store, guard: &Guard, metrics: &Registry) -> bool {
+    match read(store).await {
         Ok(nodes) => {
-            if app.store.is_sentinel() && nodes.iter().any(|n| n.role.as_deref() == Some("slave")) {
+            if store.is_sentinel() && nodes.iter().any(|n| n.role.as_deref() == Some("slave")) {
                 // A demoted primary still answers reads; writes would fail
                 // with READONLY, reads would see a replica's view.
-                app.store.forget_primary("the server is a replica now");
+                store.forget_primary("the server is a replica now");
             }
-            app.guard.apply(&nodes, &app.metrics);
+            guard.apply(&nodes, metrics);
             true
         }
         Err(e) => {
-            app.guard.failed(e.to_string());
+            guard.failed(e.to_string());
             false
         }
     }
 }
 
-/// The checking task: every `--redis-policy-check-ms`, faster until the
-/// first success, and at once after a Sentinel failover.
-pub async fn run(app: AppState) {
-    let mut ok = app.guard.verdict() != Verdict::Unverified;
+/// The checking task: every `period` (`--redis-policy-check-ms`), faster
+/// until the first success, and at once after a Sentinel failover.
+pub async fn run(
+    store: &Store,
+    guard: &Guard,
+    metrics: &Registry,
+    period: Duration,
+    cancel: &CancellationToken,
+) {
+    let mut ok = guard.verdict() != Verdict::Unverified;
     loop {
-        let period = if ok { app.settings.redis_policy_check } else { UNVERIFIED_PERIOD };
+        let period = if ok { period } else { UNVERIFIED_PERIOD };
         tokio::select! {
-            _ = app.cancel.cancelled() => return,
+            _ = cancel.cancelled() => return,
             _ = tokio::time::sleep(period) => {}
-            _ = app.store.primary_changed() => {}
+            _ = store.primary_changed() => {}
         }
-        ok = check(&app).await || ok;
+        ok = check(store, guard, metrics).await || ok;
     }
 }
 

@@ -3,7 +3,7 @@
 //! `/v1/status` (per quota: lease tokens left, their
 //! remaining life, demand, mode, allocator reachability, epoch).
 
-use crate::AppState;
+use crate::app::AppState;
 use axum::extract::State;
 use axum::http::{header, StatusCode};
 use axum::response::IntoResponse;
@@ -142,7 +142,9 @@ pub(crate) async fn metrics(State(app): State<AppState>) -> impl IntoResponse {
     if let Ok((n, _)) = crate::outbox::dead_letters(&app, 0).await {
         app.metrics.set("agent_outbox_dead_letters", &[], n as f64);
     }
-    crate::gauges::refresh(&app);
+    let who = crate::gauges::Identity { region: &app.settings.region, agent: &app.settings.agent };
+    let offset = app.allocator_clock_offset();
+    crate::gauges::refresh(&app.metrics, who, &app.quotas, app.allocator_reachable(), offset);
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], app.metrics.render())
 }
 

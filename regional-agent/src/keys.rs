@@ -6,6 +6,11 @@
 //! their names. Lua scripts receive the quota prefix from here and only
 //! append fixed suffixes and ids to it.
 
+/// TTL of the region's counters and lease books (and of the sets that
+/// lead to them): long enough to outlive a long partition before the
+/// counts are reported (F04, see the crate doc's key lifecycle).
+pub const COUNTER_TTL_MS: i64 = 7 * 24 * 3600 * 1000;
+
 /// Key names of one agent's Redis namespace.
 #[derive(Debug, Clone)]
 pub struct Keys {

@@ -9,9 +9,17 @@
 //! # Layout
 //!
 //! * [`config`]: flags and environment variables.
-//! * [`keys`]: the one audited key function (hash-tagged, length-prefixed).
+//! * [`app`]: the state the handlers and tasks share (`App`); it knows no
+//!   handler or task, and each takes the parts it uses. This root module
+//!   wires them: the router, the tasks, start-up and shutdown.
+//! * [`keys`]: the one audited key function (hash-tagged, length-prefixed):
+//!   every Redis key name the Rust side uses, and the keys' TTL.
+//! * [`scripts`]: the agent's Redis contract, the only place that knows each
+//!   Lua script of `lua/*.lua` (KEYS and ARGV order, reply shape): typed
+//!   calls `spend`, `view`, `credit`, `cut`, `fence`, `unlock`, each a span;
+//!   a changed incarnation comes back as one `Lost` outcome.
 //! * [`store`]: the Redis connection (single, cluster or through Sentinel),
-//!   timeouts, the Lua scripts of `lua/*.lua`.
+//!   timeouts, the store's health for `/readyz`.
 //! * [`sentinel`]: the primary found through Sentinel, looked up again
 //!   after a failover.
 //! * [`redis_tls`]: the certificates of `rediss://` links.
@@ -21,17 +29,30 @@
 //!   offset, computed at each scrape of `/metrics`.
 //! * [`client`], [`breaker`]: the allocator client with timeouts, capped
 //!   exponential backoff with jitter and a circuit breaker.
-//! * [`epoch`]: registration, epochs and fences (I4).
-//! * [`quotas`]: what the agent knows per quota (policy, demand, incarnation).
-//! * [`spend`]: `POST /v1/acquire` (I5, I2, fallback, I6).
+//! * [`identity`]: the agent's epoch and grant sequence (I4, I3).
+//! * [`epoch`]: registration and fences (I4).
+//! * [`quotas`]: what the agent knows per quota (policy and its cache in
+//!   Redis, demand, incarnation; `Quota::settle`, the one handling of a
+//!   changed incarnation).
+//! * [`spend`]: `POST /v1/acquire` (I5, I2, fallback, I6) and its rule
+//!   `step` (admit, wait for a renewal, fallback, 429 or 503).
 //! * [`batch`]: concurrent decisions on one quota share one script run.
 //! * [`renew`]: the background renewer (DESIGN §4), crediting (I5, I4).
+//! * [`plan`]: the renewer's rule as pure arithmetic: whether to renew the
+//!   current and the next window, and how many tokens to ask for.
 //! * [`outbox`]: cutting and draining reports and releases (I7), adopting
 //!   the outboxes of gone agents, refusals classified, dead letters.
 //! * [`fallback`]: the opt-in local allowance while Redis is unreachable.
 //! * [`health`]: `/v1/status`, `/healthz`, `/readyz`, `/metrics`.
-//! * [`status_report`]: the status sent to the allocator's fleet pages.
+//! * [`status_report`]: the status sent to the allocator's fleet pages,
+//!   with [`fleet_counts`] (its 429/503 counts per quota and window).
 //! * [`error`]: the one error enum and its mapping to HTTP.
+//!
+//! Every request runs in a `request` span (method, route, status); an
+//! acquire in an `acquire` span (tenant, resource, cost, outcome), a
+//! renewal round in a `renew_once` span and an outbox round in `drain_all`
+//! and `drain_list` spans (tenant, resource); each script round trip has a
+//! `debug` span. With `--log-format json` every line lists its spans.
 //!
 //! # Behaviour where DESIGN is silent
 //!
@@ -137,6 +158,7 @@
 //! * The agent's own endpoints have no authentication (it is a sidecar);
 //!   it warns when listening on a non-loopback address.
 
+pub mod app;
 pub mod batch;
 pub mod breaker;
 pub mod client;
@@ -144,194 +166,73 @@ pub mod config;
 pub mod epoch;
 pub mod error;
 pub mod fallback;
+pub mod fleet_counts;
 pub mod gauges;
 pub mod guard;
 pub mod health;
+pub mod identity;
 pub mod keys;
 pub mod outbox;
+pub mod plan;
 pub mod quotas;
 pub mod redis_tls;
 pub mod renew;
+pub mod scripts;
 pub mod sentinel;
 pub mod spend;
 pub mod status_report;
 pub mod store;
 
-use crate::client::AllocatorClient;
-use crate::config::Settings;
-use crate::epoch::Identity;
-use crate::keys::Keys;
-use crate::quotas::{Quota, Quotas};
-use crate::store::Store;
-use axum::extract::{DefaultBodyLimit, Request};
+pub use crate::app::{App, AppState};
+use crate::outbox::Outboxes;
+use axum::extract::{DefaultBodyLimit, MatchedPath, Request};
+use axum::response::Response;
 use axum::Router;
-use quota_shared::clock::{Clock, OffsetClock, SystemClock};
-use quota_shared::prom::Registry;
 use std::future::{Future, IntoFuture};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
-use tokio_util::sync::CancellationToken;
 
 /// Largest acquire body accepted.
 pub const MAX_BODY_BYTES: usize = 64 * 1024;
 
-/// Everything the handlers and background tasks share.
-pub struct App {
-    pub settings: Settings,
-    pub keys: Keys,
-    pub store: Store,
-    pub alloc: AllocatorClient,
-    pub quotas: Quotas,
-    pub ident: Identity,
-    pub metrics: Registry,
-    /// UTC for windows (scheduling and the fallback window), monotonic for deadlines.
-    pub clock: Arc<dyn Clock>,
-    /// The region's incarnation key was missing at start (see the crate doc).
-    pub region_fresh: AtomicBool,
-    /// The opt-in local allowance while Redis is down.
-    pub local: fallback::LocalFallback,
-    /// Quota names the allocator recently answered 404 for.
-    pub unknown: quotas::Unknown,
-    /// The allocator's clock as its last grant answer showed it, and the
-    /// monotonic instant that answer arrived (see [`App::allocator_now`]).
-    alloc_time: Mutex<Option<(chrono::DateTime<chrono::Utc>, std::time::Instant)>>,
-    /// Whether the region's Redis may be trusted to keep keys (eviction policy).
-    pub guard: guard::Guard,
-    /// Identities adopted for gone agents' outboxes, and the retry state.
-    pub outboxes: outbox::Outboxes,
-    /// Per-window refusal counts and the outbox depth for the allocator's fleet pages.
-    pub fleet_status: status_report::FleetStatus,
-    /// Stops the background tasks.
-    pub cancel: CancellationToken,
-    tasks: Mutex<Vec<JoinHandle<()>>>,
+/// Declares the agent's metric families (and starts its label-less
+/// counters at 0) before anything is counted.
+pub fn describe_metrics(m: &quota_shared::prom::Registry) {
+    health::describe(m);
+    guard::describe(m);
+    gauges::describe(m);
+    status_report::describe(m);
 }
 
-/// Shared state of every handler.
-pub type AppState = Arc<App>;
-
-impl App {
-    /// Connects the clients (Redis lazily for a single server).
-    pub async fn new(settings: Settings) -> Result<AppState, String> {
-        let store = Store::connect(
-            &settings.redis,
-            settings.redis_cluster,
-            settings.sentinel.as_ref(),
-            &settings.redis_tls,
-            settings.redis_timeout,
-        )
-        .await?;
-        let alloc = AllocatorClient::new(
-            &settings.allocator,
-            settings.agent_token.clone(),
-            settings.allocator_timeout,
-            &settings.allocator_tls,
-        )?;
-        let metrics = Registry::default();
-        health::describe(&metrics);
-        guard::describe(&metrics);
-        gauges::describe(&metrics);
-        status_report::describe(&metrics);
-        let clock: Arc<dyn Clock> = match settings.test_clock_offset_ms {
-            0 => Arc::new(SystemClock),
-            ms => {
-                tracing::warn!(offset_ms = ms, "wall clock shifted for testing (--test-clock-offset-ms)");
-                Arc::new(OffsetClock::new(chrono::Duration::milliseconds(ms)))
-            }
-        };
-        Ok(Arc::new(App {
-            keys: Keys::new(&settings.redis_prefix),
-            settings,
-            store,
-            alloc,
-            quotas: Quotas::default(),
-            ident: Identity::default(),
-            metrics,
-            clock,
-            region_fresh: AtomicBool::new(false),
-            local: fallback::LocalFallback::default(),
-            unknown: quotas::Unknown::default(),
-            alloc_time: Mutex::new(None),
-            guard: guard::Guard::default(),
-            outboxes: outbox::Outboxes::default(),
-            fleet_status: status_report::FleetStatus::default(),
-            cancel: CancellationToken::new(),
-            tasks: Mutex::new(Vec::new()),
-        }))
-    }
-
-    /// Whether the allocator counts as reachable (see the crate doc).
-    pub fn allocator_reachable(&self) -> bool {
-        self.alloc.breaker.reachable()
-    }
-
-    /// Records the allocator's clock read off a grant answer (`at` is the
-    /// allocator's instant when it answered, `arrived` when the answer came).
-    pub fn observe_allocator_time(&self, at: chrono::DateTime<chrono::Utc>, arrived: std::time::Instant) {
-        *self.alloc_time.lock().unwrap() = Some((at, arrived));
-    }
-
-    /// The allocator's clock minus this host's (the agent's own clock), as
-    /// the last grant answer showed it; `None` before the first answer.
-    /// Only for operators: no decision reads it.
-    pub fn allocator_clock_offset(&self) -> Option<chrono::Duration> {
-        let known = self.alloc_time.lock().unwrap().is_some();
-        known.then(|| self.allocator_now() - self.clock.now_utc())
-    }
-
-    /// The allocator's clock now, extrapolated with the monotonic clock from
-    /// its last answer (I8: window decisions of this agent's own, such as the
-    /// local store fallback, follow the allocator, not this host's wall
-    /// clock); this host's clock only before the first answer.
-    pub fn allocator_now(&self) -> chrono::DateTime<chrono::Utc> {
-        match *self.alloc_time.lock().unwrap() {
-            Some((at, arrived)) => {
-                at + chrono::Duration::from_std(arrived.elapsed())
-                    .unwrap_or_else(|_| chrono::Duration::zero())
-            }
-            None => self.clock.now_utc(),
-        }
-    }
-
-    /// The quota, created (with its renewer) on first use; `None` when
-    /// [`quotas::MAX_LEARNING`] quotas are still learning their policy.
-    pub fn quota(self: &Arc<Self>, tenant: &str, resource: &str) -> Option<Arc<Quota>> {
-        self.quota_of(tenant, resource, false)
-    }
-
-    /// [`App::quota`]; `known` for a quota of the agent's quota set (see
-    /// [`Quotas::get_or_create`]).
-    fn quota_of(self: &Arc<Self>, tenant: &str, resource: &str, known: bool) -> Option<Arc<Quota>> {
-        let first = if self.region_fresh.load(Ordering::SeqCst) { "?" } else { "" };
-        let (q, created) = self.quotas.get_or_create(
-            tenant,
-            resource,
-            || self.keys.quota(tenant, resource),
-            first,
-            known,
-        )?;
-        if created {
-            let h = tokio::spawn(renew::run(self.clone(), q.clone()));
-            self.tasks.lock().unwrap().push(h);
-        }
-        Some(q)
-    }
-
-    fn spawn(&self, f: impl Future<Output = ()> + Send + 'static) {
-        self.tasks.lock().unwrap().push(tokio::spawn(f));
-    }
-}
-
-/// The agent's router.
+/// The agent's router; every request runs in a span (see [`request_span`]).
 pub fn router(app: AppState) -> Router {
+    let trace = tower_http::trace::TraceLayer::new_for_http()
+        .make_span_with(request_span)
+        .on_response(|res: &Response, latency: Duration, span: &tracing::Span| {
+            span.record("status", res.status().as_u16());
+            tracing::debug!(latency_ms = latency.as_millis() as u64, "answered");
+        })
+        // A 503 is an answer the agent chose (partition, store down), not
+        // a failure to log at error level once per request.
+        .on_failure(());
     Router::new()
         .merge(spend::router())
         .merge(health::router())
         .fallback(|req: Request| async move { error::Error::NoRoute(req.uri().path().to_string()) })
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .layer(trace)
         .with_state(app)
+}
+
+/// The span of one request: its method, its route (the matched path, so a
+/// span's fields are bounded by the routes, whatever the URI) and, once
+/// answered, its status.
+fn request_span(req: &Request) -> tracing::Span {
+    let route = req.extensions().get::<MatchedPath>().map(MatchedPath::as_str).unwrap_or("unmatched");
+    tracing::info_span!("request", method = %req.method(), route, status = tracing::field::Empty)
 }
 
 /// Finds out whether the region's Redis is new (or lost its data) and loads
@@ -362,10 +263,10 @@ async fn boot(app: &AppState) {
                         // No request has used it in this process yet: idle
                         // (looked at once a second), or thousands of reloaded
                         // quotas would each run a view every 50 ms.
-                        if let Some(q) = app.quota_of(t, r, true) {
+                        if let Some(q) = renew::quota_of(app, t, r, true) {
                             // Its cached policy, so it does not count as
                             // learning (that would hold new names back).
-                            let _ = renew::load_policy(app, &q).await;
+                            let _ = q.load_policy(&app.store).await;
                             if let Some(t) = std::time::Instant::now().checked_sub(renew::IDLE_AFTER * 2) {
                                 *q.last_used.lock().unwrap() = t;
                             }
@@ -411,11 +312,20 @@ pub async fn run(
     boot(&app).await;
     // Read the eviction policy before serving, so a correctly configured
     // Redis admits from the first request (see `guard`).
-    guard::check(&app).await;
+    guard::check(&app.store, &app.guard, &app.metrics).await;
     outbox::heartbeat(&app).await;
-    app.spawn(guard::run(app.clone()));
+    // The outbox's own state (adopted identities, retries), shared by its
+    // task and the final drain.
+    let outboxes = Arc::new(Outboxes::default());
+    app.spawn({
+        let app = app.clone();
+        async move {
+            guard::run(&app.store, &app.guard, &app.metrics, app.settings.redis_policy_check, &app.cancel)
+                .await
+        }
+    });
     app.spawn(epoch::run(app.clone()));
-    app.spawn(outbox::run(app.clone()));
+    app.spawn(outbox::run(app.clone(), outboxes.clone()));
     if let Some(every) = app.settings.status_interval {
         app.spawn(status_report::run(app.clone(), every));
     }
@@ -443,7 +353,7 @@ pub async fn run(
         }
     };
     app.cancel.cancel();
-    let tasks: Vec<_> = std::mem::take(&mut *app.tasks.lock().unwrap());
+    let tasks = app.take_tasks();
     let aborts: Vec<_> = tasks.iter().map(|t| t.abort_handle()).collect();
     if tokio::time::timeout(SHUTDOWN_TASKS, futures_join_all(tasks)).await.is_err() {
         tracing::warn!("background tasks cut at the shutdown deadline");
@@ -451,8 +361,9 @@ pub async fn run(
             a.abort();
         }
     }
-    let left =
-        tokio::time::timeout(SHUTDOWN_DRAIN, outbox::final_drain(&app, SHUTDOWN_DRAIN)).await.unwrap_or(-1);
+    let left = tokio::time::timeout(SHUTDOWN_DRAIN, outbox::final_drain(&app, &outboxes, SHUTDOWN_DRAIN))
+        .await
+        .unwrap_or(-1);
     if left == 0 {
         tracing::info!("agent stopped; outbox drained");
     } else {
@@ -483,6 +394,7 @@ pub async fn serve(config: config::Config) -> Result<(), String> {
         tracing::warn!("QUOTA_AGENT_TOKEN not set: calling the allocator without a token");
     }
     let app = App::new(settings).await?;
+    describe_metrics(&app.metrics);
     let listener = TcpListener::bind(addr).await.map_err(|e| format!("cannot listen on {addr}: {e}"))?;
     tracing::info!(addr = %listener.local_addr().map_err(|e| e.to_string())?, region = %app.settings.region,
         agent = %app.settings.agent, "agent listening");

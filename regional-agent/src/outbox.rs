@@ -32,15 +32,16 @@
 //! (401/403 during a token rotation, 408, 413, 429, 5xx, a proxy's 404 with
 //! no error body) stays and is retried with backoff.
 
+use crate::app::AppState;
 use crate::client::CallError;
-use crate::keys::Keys;
-use crate::store::{StoreError, CUT};
-use crate::AppState;
+use crate::keys::{Keys, COUNTER_TTL_MS};
+use crate::scripts;
+use crate::store::StoreError;
 use chrono::{TimeZone, Utc};
 use quota_shared::wire::{ReleaseRequest, ReportItem, ReportRequest};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// Most entries one agent's outbox of one quota holds before cutting pauses.
@@ -142,10 +143,10 @@ struct Sender {
 }
 
 /// Cuts and drains every `interval` until cancelled.
-pub async fn run(app: AppState) {
+pub async fn run(app: AppState, ob: Arc<Outboxes>) {
     let mut round = 0u32;
     loop {
-        let retries = *app.outboxes.retries.lock().unwrap();
+        let retries = *ob.retries.lock().unwrap();
         let pause = if retries == 0 {
             app.settings.outbox_interval
         } else {
@@ -156,10 +157,10 @@ pub async fn run(app: AppState) {
             _ = tokio::time::sleep(pause) => {},
         }
         heartbeat(&app).await;
-        drain_all(&app, None).await;
+        drain_all(&app, &ob, None).await;
         round = round.wrapping_add(1);
         if round.is_multiple_of(ADOPT_EVERY) {
-            adopt(&app).await;
+            adopt(&app, &ob).await;
         }
     }
 }
@@ -175,16 +176,15 @@ pub async fn heartbeat(app: &AppState) {
     let set = app.keys.region_agents(region);
     let _: Result<i64, _> = app.store.cmd(redis::cmd("SADD").arg(&set).arg(agent)).await;
     // A region nobody runs in any more leaves nothing behind (F04).
-    let _: Result<i64, _> =
-        app.store.cmd(redis::cmd("PEXPIRE").arg(&set).arg(crate::spend::COUNTER_TTL_MS)).await;
+    let _: Result<i64, _> = app.store.cmd(redis::cmd("PEXPIRE").arg(&set).arg(COUNTER_TTL_MS)).await;
 }
 
 /// Repeats rounds until every outbox is empty or `deadline` passes (at
 /// shutdown). Returns the entries left.
-pub async fn final_drain(app: &AppState, deadline: Duration) -> i64 {
+pub async fn final_drain(app: &AppState, ob: &Outboxes, deadline: Duration) -> i64 {
     let until = Instant::now() + deadline;
     loop {
-        let left = drain_all(app, Some(until)).await;
+        let left = drain_all(app, ob, Some(until)).await;
         if left == 0 || Instant::now() >= until {
             return left;
         }
@@ -197,7 +197,8 @@ pub async fn final_drain(app: &AppState, deadline: Duration) -> i64 {
 /// A round stops at the first Redis failure or at `until`: with thousands of
 /// quotas and Redis gone, one timeout per quota would hold a shutdown for
 /// minutes.
-pub async fn drain_all(app: &AppState, until: Option<Instant>) -> i64 {
+#[tracing::instrument(skip_all)]
+pub async fn drain_all(app: &AppState, ob: &Outboxes, until: Option<Instant>) -> i64 {
     let epoch = app.ident.epoch();
     if epoch == 0 {
         return 1;
@@ -220,7 +221,7 @@ pub async fn drain_all(app: &AppState, until: Option<Instant>) -> i64 {
             stopped = true;
             break;
         }
-        match drain_list(app, &q.prefix, &q.tenant, &q.resource, &me, true).await {
+        match drain_list(app, ob, &q.prefix, &q.tenant, &q.resource, &me, true).await {
             Ok(n) => {
                 left += n;
                 failed_in_row = 0;
@@ -245,16 +246,17 @@ pub async fn drain_all(app: &AppState, until: Option<Instant>) -> i64 {
     // counters' ttl: a set of an agent id that never comes back expires (F04).
     if !stopped {
         let set = app.keys.agent_quotas(&app.settings.region, &app.settings.agent);
-        let _: Result<i64, _> =
-            app.store.cmd(redis::cmd("PEXPIRE").arg(set).arg(crate::spend::COUNTER_TTL_MS)).await;
+        let _: Result<i64, _> = app.store.cmd(redis::cmd("PEXPIRE").arg(set).arg(COUNTER_TTL_MS)).await;
     }
     left
 }
 
 /// Cuts (when `cut`) and sends one quota's list of `s.owner`; returns the
 /// entries left in it.
+#[tracing::instrument(skip_all, fields(tenant = tenant, resource = resource, agent = %s.owner))]
 async fn drain_list(
     app: &AppState,
+    state: &Outboxes,
     prefix: &str,
     tenant: &str,
     resource: &str,
@@ -262,13 +264,7 @@ async fn drain_list(
     cut: bool,
 ) -> Result<i64, StoreError> {
     if cut {
-        let mut inv = CUT.prepare_invoke();
-        inv.key(Keys::incarnation(prefix))
-            .arg(prefix)
-            .arg(&s.owner)
-            .arg(uuid::Uuid::new_v4().to_string())
-            .arg(MAX_OUTBOX);
-        let _: i64 = app.store.eval(&inv).await?;
+        scripts::cut(&app.store, prefix, &s.owner, &uuid::Uuid::new_v4().to_string(), MAX_OUTBOX).await?;
     }
     let ob = Keys::outbox(prefix, &s.owner);
     let entries: Vec<String> = app.store.cmd(redis::cmd("LRANGE").arg(&ob).arg(0).arg(BATCH - 1)).await?;
@@ -296,13 +292,13 @@ async fn drain_list(
         match verdict {
             Verdict::Done => {
                 app.metrics.inc("agent_outbox_sent_total", &[]);
-                *app.outboxes.retries.lock().unwrap() = 0;
+                *state.retries.lock().unwrap() = 0;
             }
             Verdict::Retry | Verdict::Reregister => {
                 if verdict == Verdict::Reregister {
-                    stale(app, s);
+                    stale(app, state, s);
                 } else if let Err(CallError::Refused { status, code, message, .. }) = &result {
-                    let mut r = app.outboxes.retries.lock().unwrap();
+                    let mut r = state.retries.lock().unwrap();
                     *r = r.saturating_add(1);
                     tracing::warn!(
                         tenant,
@@ -346,11 +342,11 @@ fn refusal(result: &Result<(), CallError>) -> (u16, String, String) {
 
 /// A stale epoch: this agent registers again; an adopted identity is
 /// dropped (the dead agent came back, or another adopter took over).
-fn stale(app: &AppState, s: &Sender) {
+fn stale(app: &AppState, state: &Outboxes, s: &Sender) {
     if s.owner == app.settings.agent {
         app.ident.request_register();
     } else {
-        app.outboxes.adopted.lock().unwrap().remove(&s.owner);
+        state.adopted.lock().unwrap().remove(&s.owner);
     }
 }
 
@@ -419,8 +415,7 @@ async fn dead_letter(
     let _: Result<i64, _> = app.store.cmd(redis::cmd("LPUSH").arg(&key).arg(letter.to_string())).await;
     let _: Result<String, _> =
         app.store.cmd(redis::cmd("LTRIM").arg(&key).arg(0).arg(MAX_DEAD_LETTERS - 1)).await;
-    let _: Result<i64, _> =
-        app.store.cmd(redis::cmd("PEXPIRE").arg(&key).arg(crate::spend::COUNTER_TTL_MS)).await;
+    let _: Result<i64, _> = app.store.cmd(redis::cmd("PEXPIRE").arg(&key).arg(COUNTER_TTL_MS)).await;
 }
 
 /// The region's dead letters: how many, and the newest `n`.
@@ -435,7 +430,7 @@ pub async fn dead_letters(app: &AppState, n: isize) -> Result<(i64, Vec<serde_js
 }
 
 /// Sends what agents of the region that are gone left in their outboxes.
-async fn adopt(app: &AppState) {
+async fn adopt(app: &AppState, ob: &Outboxes) {
     let (region, me) = (&app.settings.region, &app.settings.agent);
     let set = app.keys.region_agents(region);
     let Ok(agents) =
@@ -450,18 +445,18 @@ async fn adopt(app: &AppState) {
         match app.store.cmd::<i64>(redis::cmd("EXISTS").arg(app.keys.agent_live(region, &dead))).await {
             Ok(0) => {}
             _ => {
-                app.outboxes.adopted.lock().unwrap().remove(&dead);
+                ob.adopted.lock().unwrap().remove(&dead);
                 continue;
             }
         }
-        if let Err(e) = adopt_one(app, &dead).await {
+        if let Err(e) = adopt_one(app, ob, &dead).await {
             tracing::debug!(agent = %dead, error = %e, "adopting a gone agent's outbox failed; next round");
             return;
         }
     }
 }
 
-async fn adopt_one(app: &AppState, dead: &str) -> Result<(), StoreError> {
+async fn adopt_one(app: &AppState, ob: &Outboxes, dead: &str) -> Result<(), StoreError> {
     let region = &app.settings.region;
     let quota_set = app.keys.agent_quotas(region, dead);
     let quotas: Vec<String> =
@@ -469,7 +464,7 @@ async fn adopt_one(app: &AppState, dead: &str) -> Result<(), StoreError> {
     if quotas.is_empty() {
         // Its quota set expired (or it never held a quota): nothing is left.
         let _: i64 = app.store.cmd(redis::cmd("SREM").arg(app.keys.region_agents(region)).arg(dead)).await?;
-        app.outboxes.adopted.lock().unwrap().remove(dead);
+        ob.adopted.lock().unwrap().remove(dead);
         return Ok(());
     }
     let mut lists = Vec::new();
@@ -484,7 +479,7 @@ async fn adopt_one(app: &AppState, dead: &str) -> Result<(), StoreError> {
     if lists.is_empty() {
         let all: i64 = app.store.cmd(redis::cmd("SCARD").arg(&quota_set)).await?;
         let quiet_since = {
-            let mut a = app.outboxes.adopted.lock().unwrap();
+            let mut a = ob.adopted.lock().unwrap();
             if a.len() >= MAX_ADOPTED && !a.contains_key(dead) {
                 return Ok(());
             }
@@ -494,12 +489,12 @@ async fn adopt_one(app: &AppState, dead: &str) -> Result<(), StoreError> {
         if all as usize <= ADOPT_QUOTAS && quiet_since.elapsed() >= ADOPT_QUIET {
             let _: i64 =
                 app.store.cmd(redis::cmd("SREM").arg(app.keys.region_agents(region)).arg(dead)).await?;
-            app.outboxes.adopted.lock().unwrap().remove(dead);
+            ob.adopted.lock().unwrap().remove(dead);
             tracing::info!(agent = %dead, "a gone agent's outboxes stayed empty; it left the region's agent set");
         }
         return Ok(());
     }
-    let Some(epoch) = adopted_epoch(app, dead).await else { return Ok(()) };
+    let Some(epoch) = adopted_epoch(app, ob, dead).await else { return Ok(()) };
     let me = app.ident.epoch();
     if me == 0 {
         return Ok(());
@@ -511,7 +506,7 @@ async fn adopt_one(app: &AppState, dead: &str) -> Result<(), StoreError> {
         report_epoch: me,
     };
     for (prefix, t, r) in lists {
-        let left = drain_list(app, &prefix, &t, &r, &s, false).await?;
+        let left = drain_list(app, ob, &prefix, &t, &r, &s, false).await?;
         tracing::info!(agent = %dead, tenant = %t, resource = %r, left, "sent a gone agent's outbox entries");
     }
     Ok(())
@@ -519,9 +514,9 @@ async fn adopt_one(app: &AppState, dead: &str) -> Result<(), StoreError> {
 
 /// The epoch this agent holds for a dead agent's identity, registering for
 /// it the first time.
-async fn adopted_epoch(app: &AppState, dead: &str) -> Option<i64> {
+async fn adopted_epoch(app: &AppState, ob: &Outboxes, dead: &str) -> Option<i64> {
     {
-        let mut a = app.outboxes.adopted.lock().unwrap();
+        let mut a = ob.adopted.lock().unwrap();
         let full = a.len() >= MAX_ADOPTED;
         match a.get_mut(dead) {
             Some((e, quiet)) if *e > 0 => {
@@ -536,7 +531,7 @@ async fn adopted_epoch(app: &AppState, dead: &str) -> Option<i64> {
     match app.alloc.register(&app.settings.region, dead).await {
         Ok(r) => {
             tracing::warn!(agent = %dead, epoch = r.epoch, "adopting the outbox of a gone agent of this region");
-            app.outboxes.adopted.lock().unwrap().insert(dead.to_string(), (r.epoch, None));
+            ob.adopted.lock().unwrap().insert(dead.to_string(), (r.epoch, None));
             Some(r.epoch)
         }
         Err(e) => {

@@ -14,7 +14,11 @@
 //! registry entry and no task behind.
 
 use crate::batch::SpendQueue;
-use crate::AppState;
+use crate::identity::Identity;
+use crate::keys::Keys;
+use crate::scripts::{LossCause, Outcome, View};
+use crate::store::Store;
+use quota_shared::prom::Registry;
 use quota_shared::wire::{FailMode, GrantRequest, GrantResponse};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
@@ -79,26 +83,6 @@ impl PolicyInfo {
         };
         quota_shared::window::valid_window_secs(p.window_secs).then_some(p)
     }
-}
-
-/// The renewer's last look at a quota's region balance.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct View {
-    /// Window start of the spendable leases, or -1.
-    pub ws: i64,
-    /// Tokens left in spendable leases.
-    pub available: i64,
-    /// Of those, the tokens in leases that live at least as long as the
-    /// renewer asked (its horizon, or to the window's end).
-    pub lasting: i64,
-    /// Smallest remaining life of those leases (ms), -1 without lease.
-    pub life_ms: i64,
-    /// Tokens of next-window leases not yet spendable.
-    pub pending: i64,
-    /// Remaining life of the "pool exhausted" marker (ms), ≤ 0 when none.
-    pub exhausted_ms: i64,
-    /// When the view was taken.
-    pub at: Option<Instant>,
 }
 
 /// Demand measurement from the region-wide demand counter.
@@ -189,7 +173,7 @@ pub struct Quota {
     /// Renewer → waiting requests.
     pub renewed: Notify,
     /// Requests waiting for the quota's next spend run (see [`crate::batch`]).
-    pub spends: Mutex<SpendQueue>,
+    pub spends: Arc<SpendQueue>,
 }
 
 impl Quota {
@@ -206,6 +190,75 @@ impl Quota {
     /// Whether the allocator recently said the quota does not exist.
     pub fn unknown(&self) -> bool {
         self.unknown_until.lock().unwrap().is_some_and(|t| Instant::now() < t)
+    }
+
+    /// The one place a script's word on the quota's incarnation reaches
+    /// the agent: adopts the token the script ran on (or found), and for a
+    /// loss says what it means. A certain loss (2) and a rollback (3, the
+    /// server's history changed and the state was stranded) take a new
+    /// epoch, as does a credit that found another incarnation (its lease
+    /// is stranded); a first touch of a fresh region (1) needs nothing.
+    pub fn settle<T>(&self, o: &Outcome<T>, ident: &Identity, metrics: &Registry) {
+        let (token, cause) = match o {
+            Outcome::Ran { token, .. } => (token, None),
+            Outcome::Lost(l) => (&l.token, Some(l.cause)),
+        };
+        if !token.is_empty() {
+            let mut t = self.token.lock().unwrap();
+            if *t != *token {
+                t.clone_from(token);
+            }
+        }
+        match cause {
+            None | Some(LossCause::Installed) => {}
+            Some(LossCause::RolledBack) => {
+                metrics.inc("agent_redis_rollbacks_total", &[]);
+                tracing::warn!(tenant = %self.tenant, resource = %self.resource,
+                    "the region's Redis went back in time (restart, restored snapshot, failover or eviction): \
+                     live balances stranded, the window's fallback counted as spent; re-registering");
+                ident.request_register();
+            }
+            Some(LossCause::Lost) => {
+                tracing::warn!(tenant = %self.tenant, resource = %self.resource, "Redis state of the quota was lost; re-registering");
+                ident.request_register();
+            }
+            Some(LossCause::Moved) => ident.request_register(),
+        }
+    }
+
+    /// Reads the policy other replicas cached in Redis; keeps it unless
+    /// the one known is as new.
+    pub async fn load_policy(&self, store: &Store) -> Option<PolicyInfo> {
+        let m: HashMap<String, String> =
+            store.cmd(redis::cmd("HGETALL").arg(Keys::policy(&self.prefix))).await.ok()?;
+        let p = PolicyInfo::from_fields(&m)?;
+        let mut cur = self.policy.lock().unwrap();
+        if cur.is_none_or(|c| c.version < p.version) {
+            *cur = Some(p);
+        }
+        *cur
+    }
+
+    /// Keeps the policy a grant answer shows, locally and in Redis for the
+    /// other replicas.
+    pub async fn learn_policy(&self, store: &Store, g: &GrantResponse) {
+        let p = PolicyInfo::from_grant(g);
+        let changed = {
+            let mut cur = self.policy.lock().unwrap();
+            let changed = cur.is_none_or(|c| c != p && c.version <= p.version);
+            if changed {
+                *cur = Some(p);
+            }
+            changed
+        };
+        if changed {
+            let mut cmd = redis::cmd("HSET");
+            cmd.arg(Keys::policy(&self.prefix));
+            for (k, v) in p.to_fields() {
+                cmd.arg(k).arg(v);
+            }
+            let _: Result<i64, _> = store.cmd(&cmd).await;
+        }
     }
 }
 
@@ -253,7 +306,7 @@ impl Quotas {
             last_used: Mutex::new(Instant::now()),
             wake: Notify::new(),
             renewed: Notify::new(),
-            spends: Mutex::new(SpendQueue::default()),
+            spends: Arc::new(SpendQueue::default()),
         });
         m.insert((tenant.to_string(), resource.to_string()), q.clone());
         Some((q, true))
@@ -334,26 +387,6 @@ impl Unknown {
     /// Whether no name is cached.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
-    }
-}
-
-/// What a script's loss flag (see `lua/prelude.lua`) means for the agent:
-/// 2 (certain loss) and 3 (rollback: the server's history changed and the
-/// state was stranded) take a new epoch.
-pub fn note_loss(app: &AppState, q: &Quota, flag: i64) {
-    match flag {
-        3 => {
-            app.metrics.inc("agent_redis_rollbacks_total", &[]);
-            tracing::warn!(tenant = %q.tenant, resource = %q.resource,
-                "the region's Redis went back in time (restart, restored snapshot, failover or eviction): \
-                 live balances stranded, the window's fallback counted as spent; re-registering");
-            app.ident.request_register();
-        }
-        2 => {
-            tracing::warn!(tenant = %q.tenant, resource = %q.resource, "Redis state of the quota was lost; re-registering");
-            app.ident.request_register();
-        }
-        _ => {}
     }
 }
 

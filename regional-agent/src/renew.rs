@@ -12,16 +12,16 @@
 //! `allocator_now = expires_at − expires_in_ms` is read from the answer
 //! itself, so only the allocator's clock is ever subtracted from itself.
 
+use crate::app::AppState;
 use crate::breaker::backoff;
 use crate::client::CallError;
 use crate::keys::Keys;
-use crate::quotas::{PolicyInfo, Quota, View, IDLE_EVICT};
-use crate::spend::COUNTER_TTL_MS;
-use crate::store::{Reply, StoreError, CREDIT, UNLOCK, VIEW};
-use crate::AppState;
+use crate::plan::{self, PlanInput};
+use crate::quotas::{Quota, IDLE_EVICT};
+use crate::scripts::{self, Caller, Credit, Lease, On, Outcome, View, ViewArgs};
+use crate::store::StoreError;
 use quota_shared::window::Window;
 use quota_shared::wire::{GrantRequest, GrantResponse, WindowSel};
-use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -52,16 +52,22 @@ fn heal_backoff(q: &Quota, not_before: Option<Instant>, reachable: bool) -> Opti
     not_before
 }
 
-/// Reads the policy other replicas cached in Redis.
-pub async fn load_policy(app: &AppState, q: &Quota) -> Option<PolicyInfo> {
-    let m: HashMap<String, String> =
-        app.store.cmd(redis::cmd("HGETALL").arg(Keys::policy(&q.prefix))).await.ok()?;
-    let p = PolicyInfo::from_fields(&m)?;
-    let mut cur = q.policy.lock().unwrap();
-    if cur.is_none_or(|c| c.version < p.version) {
-        *cur = Some(p);
+/// The quota, created (with its renewer) on first use; `None` when
+/// [`crate::quotas::MAX_LEARNING`] quotas are still learning their policy.
+pub fn quota(app: &AppState, tenant: &str, resource: &str) -> Option<Arc<Quota>> {
+    quota_of(app, tenant, resource, false)
+}
+
+/// [`quota`]; `known` for a quota of the agent's quota set (see
+/// [`crate::quotas::Quotas::get_or_create`]).
+pub(crate) fn quota_of(app: &AppState, tenant: &str, resource: &str, known: bool) -> Option<Arc<Quota>> {
+    let first = if app.region_fresh.load(Ordering::SeqCst) { "?" } else { "" };
+    let (q, created) =
+        app.quotas.get_or_create(tenant, resource, || app.keys.quota(tenant, resource), first, known)?;
+    if created {
+        app.spawn(run(app.clone(), q.clone()));
     }
-    *cur
+    Some(q)
 }
 
 /// The renew task of one quota; it ends when the quota leaves the registry
@@ -113,7 +119,7 @@ async fn retire_if_idle(app: &AppState, q: &Arc<Quota>, registry: &str, member: 
     if v.available > 0 || v.pending > 0 {
         return false;
     }
-    let ob = crate::keys::Keys::outbox(&q.prefix, &app.settings.agent);
+    let ob = Keys::outbox(&q.prefix, &app.settings.agent);
     let outbox: Result<i64, _> = app.store.cmd(redis::cmd("LLEN").arg(&ob)).await;
     let uncut: Result<i64, _> = app.store.cmd(redis::cmd("SCARD").arg(Keys::dirty(&q.prefix))).await;
     if !matches!((outbox, uncut), (Ok(0), Ok(0))) {
@@ -129,57 +135,34 @@ async fn retire_if_idle(app: &AppState, q: &Arc<Quota>, registry: &str, member: 
 
 /// Runs the view script: sweeps expired leases, reads balance and demand;
 /// tokens count as lasting in leases with at least `lasting_ms` to live.
+/// `None` when the quota's state changed incarnation (settled).
 async fn view(app: &AppState, q: &Quota, lasting_ms: i64) -> Result<Option<(View, i64)>, StoreError> {
     let (window_secs, allowance) =
         q.policy().map(|p| (p.window_secs, p.fallback_allowance)).unwrap_or((1, 0));
-    let mut inv = VIEW.prepare_invoke();
-    inv.key(Keys::incarnation(&q.prefix))
-        .arg(&q.prefix)
-        .arg(q.token())
-        .arg(uuid::Uuid::new_v4().simple().to_string())
-        .arg(window_secs)
-        .arg(allowance)
-        .arg(&app.settings.agent)
-        .arg(app.ident.epoch())
-        .arg(COUNTER_TTL_MS)
-        .arg(lasting_ms);
-    let r: Reply = app.store.eval(&inv).await?;
-    let token = r.str(1);
-    if !token.is_empty() {
-        *q.token.lock().unwrap() = token;
-    }
-    if r.str(0) == "lost" {
-        crate::quotas::note_loss(app, q, r.int(2));
-        return Ok(None);
-    }
-    let v = View {
-        ws: r.int(2),
-        available: r.int(3),
-        lasting: r.int(9),
-        life_ms: r.int(4),
-        pending: r.int(5),
-        exhausted_ms: r.int(8),
-        at: Some(Instant::now()),
-    };
-    Ok(Some((v, r.int(7))))
+    let token = q.token();
+    let on = On { prefix: &q.prefix, token: &token };
+    let by = Caller { agent: &app.settings.agent, epoch: app.ident.epoch() };
+    let r = scripts::view(&app.store, on, by, ViewArgs { window_secs, allowance, lasting_ms }).await?;
+    q.settle(&r, &app.ident, &app.metrics);
+    Ok(match r {
+        Outcome::Ran { value, .. } => Some(value),
+        Outcome::Lost(_) => None,
+    })
 }
 
-/// The renew-ahead horizon (ms): the configured lead plus a few round trips.
-fn horizon_ms(app: &AppState, q: &Quota) -> f64 {
-    app.settings.renew_ahead.as_millis() as f64 + 3.0 * q.renew.lock().unwrap().rtt_ms
-}
-
+/// One round of the renewer: look at the balance, then grant what
+/// [`plan::plan`] says.
+#[tracing::instrument(skip_all, fields(tenant = %q.tenant, resource = %q.resource))]
 async fn renew_once(app: &AppState, q: &Arc<Quota>) -> Result<(), StoreError> {
     if q.policy().is_none() {
         return learn(app, q).await;
     }
-    let horizon_ms = horizon_ms(app, q);
-    // A lease that ends with its window lasts as long as it needs to; the
-    // next window's lease is the prefetch's business.
+    let horizon_ms =
+        plan::horizon_ms(app.settings.renew_ahead.as_millis() as f64, q.renew.lock().unwrap().rtt_ms);
     let lasting_ms = match q.policy() {
         Some(p) => {
             let now = app.clock.now_utc();
-            (horizon_ms as i64).min(Window::containing(now, p.window_secs).ms_until_end(now) - 150)
+            plan::lasting_ms(horizon_ms, Window::containing(now, p.window_secs).ms_until_end(now))
         }
         None => horizon_ms as i64,
     };
@@ -194,12 +177,11 @@ async fn renew_once(app: &AppState, q: &Arc<Quota>) -> Result<(), StoreError> {
     app.metrics.set("agent_lease_tokens", &[("quota", &label)], v.available as f64);
     let waiting = q.waiting.load(Ordering::SeqCst);
     let need = q.waiting_need.load(Ordering::SeqCst).max(1);
-    if waiting && v.available >= need {
+    if plan::serves_waiters(&v, waiting, need) {
         crate::quotas::clear_waiting(q);
         q.renewed.notify_waiters();
     }
-    let active = rate > 0.05 || waiting;
-    if !active {
+    if !plan::active(rate, waiting) {
         return Ok(());
     }
     if app.ident.epoch() == 0 {
@@ -228,46 +210,27 @@ async fn renew_once(app: &AppState, q: &Arc<Quota>) -> Result<(), StoreError> {
     let Some(p) = q.policy() else { return Ok(()) };
     let now = app.clock.now_utc();
     let win = Window::containing(now, p.window_secs);
-    let to_end_ms = win.ms_until_end(now);
-    let need_tokens = rate * horizon_ms / 1000.0 + 1.0;
-    // Only tokens that outlive the horizon count: renewing because the
-    // soonest lease is dying while a fresh one holds plenty would stack a
-    // new lease on every tick until the old one expired.
-    let want_current = v.exhausted_ms <= 0
-        && to_end_ms > 50
-        && ((v.lasting as f64) < need_tokens || (waiting && v.available < need));
-    let window_ms = p.window_secs * 1000;
-    let lead_ms = (2.0 * horizon_ms).max(500.0).min(window_ms as f64 / 2.0);
-    let want_next = rate > 0.05
-        && (to_end_ms as f64) <= lead_ms
-        && v.pending == 0
-        && prefetched != Some(win.next().start)
-        && next_not_before.is_none_or(|t| now_i >= t);
-    if !want_current && !want_next {
+    let planned = plan::plan(&PlanInput {
+        view: v,
+        rate,
+        measured,
+        waiting,
+        need,
+        limit: p.limit,
+        window_secs: p.window_secs,
+        horizon_ms,
+        to_end_ms: win.ms_until_end(now),
+        next_held: prefetched == Some(win.next().start) || next_not_before.is_some_and(|t| now_i < t),
+    });
+    if planned == plan::Plan::default() {
         return Ok(());
     }
-    let chunk_s = (2.0 * horizon_ms / 1000.0).max(1.0);
-    let floor = (p.limit / 100).max(1);
-    let mut want_cur = ((rate * chunk_s).ceil() as i64).max(floor);
-    // Never ask for more than the rest of the window will use, not even the
-    // floor: tokens parked at the boundary are stranded, and while demand
-    // is at G every stranded token is an admit another region was refused
-    // (skew). The 5 % covers the demand estimate's lag; the few extra
-    // grants a small region makes near the end are the price. Before the
-    // first reading the rate says 0 whatever the demand: the floor then,
-    // or a cold burst is fed one token per grant and answered 429.
-    let mut rest = (rate * (to_end_ms as f64 / 1000.0) * 1.05).ceil() as i64 + 1;
-    if !measured {
-        rest = rest.max(floor);
-    }
-    want_cur = want_cur.min(rest).max(if waiting { need } else { 1 }).min(p.limit).max(1);
-    let want_nxt = ((rate * chunk_s).ceil() as i64).max(floor).min(p.limit).max(1);
     with_lock(app, q, move |app, q| async move {
-        if want_current {
-            grant(&app, &q, WindowSel::Current, want_cur, rate).await;
+        if let Some(want) = planned.current {
+            grant(&app, &q, WindowSel::Current, want, rate).await;
         }
-        if want_next {
-            grant(&app, &q, WindowSel::Next, want_nxt, rate).await;
+        if let Some(want) = planned.next {
+            grant(&app, &q, WindowSel::Next, want, rate).await;
         }
     })
     .await?;
@@ -314,9 +277,7 @@ where
         return Ok(false);
     }
     f(app.clone(), q.clone()).await;
-    let mut inv = UNLOCK.prepare_invoke();
-    inv.key(&lock).arg(&holder);
-    let _: Result<i64, _> = app.store.eval(&inv).await;
+    let _ = scripts::unlock(&app.store, &q.prefix, &holder).await;
     Ok(true)
 }
 
@@ -362,7 +323,7 @@ async fn grant(app: &AppState, q: &Arc<Quota>, sel: WindowSel, want: i64, rate: 
                     r.prefetched = Some(g.window_start.timestamp());
                 }
             }
-            learn_policy(app, q, &g).await;
+            q.learn_policy(&app.store, &g).await;
             credit(app, q, sel, &g, sent, arrived).await
         }
         Err(CallError::Refused { status: 404, .. }) => {
@@ -413,27 +374,6 @@ async fn grant(app: &AppState, q: &Arc<Quota>, sel: WindowSel, want: i64, rate: 
     q.renewed.notify_waiters();
 }
 
-/// Keeps the policy the answer shows, locally and in Redis for the others.
-async fn learn_policy(app: &AppState, q: &Quota, g: &GrantResponse) {
-    let p = PolicyInfo::from_grant(g);
-    let changed = {
-        let mut cur = q.policy.lock().unwrap();
-        let changed = cur.is_none_or(|c| c != p && c.version <= p.version);
-        if changed {
-            *cur = Some(p);
-        }
-        changed
-    };
-    if changed {
-        let mut cmd = redis::cmd("HSET");
-        cmd.arg(Keys::policy(&q.prefix));
-        for (k, v) in p.to_fields() {
-            cmd.arg(k).arg(v);
-        }
-        let _: Result<i64, _> = app.store.cmd(&cmd).await;
-    }
-}
-
 /// Credits a granted lease into the region's balance (or marks the pool
 /// exhausted when it carried no tokens).
 async fn credit(
@@ -479,40 +419,34 @@ async fn credit(
             return "store_unavailable";
         }
     }
-    let mut inv = CREDIT.prepare_invoke();
-    inv.key(Keys::incarnation(&q.prefix))
-        .arg(&q.prefix)
-        .arg(q.token())
-        .arg(g.epoch)
-        .arg(&app.settings.agent)
-        .arg(g.lease_id.to_string())
-        .arg(g.tokens)
-        .arg(g.window_start.timestamp())
-        .arg(life_ms)
-        .arg(nb_ms)
-        .arg(life_ms.max(0) + nb_ms + COUNTER_TTL_MS)
-        .arg(alloc_now_ms);
-    match app.store.eval::<Reply>(&inv).await {
-        Ok(r) => match r.str(0).as_str() {
-            "ok" => {
-                tracing::debug!(tenant = %q.tenant, resource = %q.resource, lease_id = %g.lease_id, epoch = g.epoch,
-                    tokens = g.tokens, life_ms, nb_ms, "lease credited");
-                "granted"
-            }
-            "dup" => "replayed",
-            "expired" => "expired_on_arrival",
-            "stale" => "stale_epoch",
-            _ => {
-                // The quota's Redis state changed under us: the lease is
-                // stranded (safe), the next round adopts the new state.
-                let current = r.str(1);
-                if !current.is_empty() {
-                    *q.token.lock().unwrap() = current;
+    let lease = Lease {
+        id: g.lease_id.to_string(),
+        epoch: g.epoch,
+        tokens: g.tokens,
+        window_start: g.window_start.timestamp(),
+        life_ms,
+        nb_ms,
+        alloc_now_ms,
+    };
+    let token = q.token();
+    let on = On { prefix: &q.prefix, token: &token };
+    match scripts::credit(&app.store, on, &app.settings.agent, &lease).await {
+        Ok(r) => {
+            // A credit that found another incarnation strands the lease
+            // (safe); the next round adopts the new state.
+            q.settle(&r, &app.ident, &app.metrics);
+            match r {
+                Outcome::Ran { value: Credit::Credited, .. } => {
+                    tracing::debug!(tenant = %q.tenant, resource = %q.resource, lease_id = %g.lease_id, epoch = g.epoch,
+                        tokens = g.tokens, life_ms, nb_ms, "lease credited");
+                    "granted"
                 }
-                app.ident.request_register();
-                "lost"
+                Outcome::Ran { value: Credit::Replayed, .. } => "replayed",
+                Outcome::Ran { value: Credit::Expired, .. } => "expired_on_arrival",
+                Outcome::Ran { value: Credit::Stale, .. } => "stale_epoch",
+                Outcome::Lost(_) => "lost",
             }
-        },
+        }
         Err(e) => {
             tracing::warn!(tenant = %q.tenant, resource = %q.resource, lease_id = %g.lease_id, error = %e,
                 "cannot credit lease; its tokens are stranded");

@@ -6,11 +6,13 @@
 //! it wakes the renewer and waits (bounded) for it, and it answers from the
 //! region's fallback counter only while the allocator is unreachable.
 
-use crate::batch::{self, Ask, Common, Spend};
+use crate::app::AppState;
+use crate::batch;
 use crate::error::{Error, Result};
 use crate::keys::Keys;
 use crate::quotas::{self, PolicyInfo, Quota};
-use crate::AppState;
+use crate::renew;
+use crate::scripts::{self, Admit, Ask, Caller, Common, On, Outcome, Spend};
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
@@ -25,6 +27,7 @@ use serde::Deserialize;
 use serde_json::json;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use tracing::field::Empty;
 
 /// Routes of this module.
 pub fn router() -> Router<AppState> {
@@ -35,9 +38,6 @@ pub fn router() -> Router<AppState> {
 pub const MAX_COST: i64 = 1_000_000_000;
 /// Longest `request_id` accepted.
 pub const MAX_REQUEST_ID_LEN: usize = 128;
-/// TTL of the region's counters and lease books: long enough to outlive a
-/// long partition before the counts are reported.
-pub const COUNTER_TTL_MS: i64 = 7 * 24 * 3600 * 1000;
 /// How long past its window's end a request id is remembered.
 pub const REQUEST_ID_MARGIN_MS: i64 = 10_000;
 /// Longest a request waits for a next-window lease about to open.
@@ -57,14 +57,6 @@ pub struct AcquireRequest {
     pub cost: i64,
     #[serde(default)]
     pub request_id: Option<String>,
-}
-
-/// An admit.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Admit {
-    pub source: String,
-    pub window_start: i64,
-    pub remaining: i64,
 }
 
 fn parse(body: std::result::Result<Bytes, BytesRejection>) -> Result<AcquireRequest> {
@@ -120,6 +112,7 @@ fn parse(body: std::result::Result<Bytes, BytesRejection>) -> Result<AcquireRequ
     ),
     tag = "agent"
 )]
+#[tracing::instrument(skip_all, fields(tenant = Empty, resource = Empty, cost = Empty, outcome = Empty))]
 pub(crate) async fn acquire(
     State(app): State<AppState>,
     body: std::result::Result<Bytes, BytesRejection>,
@@ -127,8 +120,12 @@ pub(crate) async fn acquire(
     let started = Instant::now();
     let mut policy = None;
     let mut name = String::from("unknown");
+    let span = tracing::Span::current();
     let result = match parse(body) {
         Ok(req) => {
+            span.record("tenant", req.tenant.as_str());
+            span.record("resource", req.resource.as_str());
+            span.record("cost", req.cost);
             name = format!("{}/{}", req.tenant, req.resource);
             decide(&app, &req, &mut policy).await
         }
@@ -151,6 +148,8 @@ pub(crate) async fn acquire(
         }
         Err(e) => (e.code(), 0, e.into_response()),
     };
+    span.record("outcome", outcome);
+    tracing::debug!(remaining, "acquire answered");
     rate_limit_headers(resp.headers_mut(), &name, policy, remaining, now);
     app.metrics.inc("agent_acquire_total", &[("outcome", outcome)]);
     crate::gauges::count_refusal(&app.metrics, &name, policy.is_some(), outcome);
@@ -202,14 +201,14 @@ async fn decide(app: &AppState, req: &AcquireRequest, policy_out: &mut Option<Po
     if app.unknown.contains(&req.tenant, &req.resource) {
         return Err(Error::UnknownQuota(format!("{}/{}", req.tenant, req.resource)));
     }
-    let q = app.quota(&req.tenant, &req.resource).ok_or(Error::TooManyQuotas)?;
+    let q = renew::quota(app, &req.tenant, &req.resource).ok_or(Error::TooManyQuotas)?;
     *q.last_used.lock().unwrap() = Instant::now();
     if q.unknown() {
         return Err(Error::UnknownQuota(format!("{}/{}", req.tenant, req.resource)));
     }
     let mut policy = q.policy();
     if policy.is_none() {
-        policy = crate::renew::load_policy(app, &q).await;
+        policy = q.load_policy(&app.store).await;
     }
     if policy.is_none() {
         // The first acquire of a quota nobody in the region knows: wait for
@@ -346,12 +345,12 @@ async fn spend_with_waits(
             }
         };
         let (wait_ms, exhausted_ms) = match r {
-            Spend::Admit(a) => return Ok(a),
+            Outcome::Ran { value: Spend::Admit(a), .. } => return Ok(a),
             // The script has stranded what it could not trust and the
-            // batch noted the loss (re-registering); decide again on the
+            // run settled the loss (re-registering); decide again on the
             // fresh incarnation.
-            Spend::Lost => continue,
-            Spend::None { wait_ms, exhausted_ms } => (wait_ms, exhausted_ms),
+            Outcome::Lost(_) => continue,
+            Outcome::Ran { value: Spend::None { wait_ms, exhausted_ms }, .. } => (wait_ms, exhausted_ms),
         };
         counted = true;
         let seen =
@@ -443,7 +442,7 @@ async fn spend_once(
     req: &AcquireRequest,
     fallback: bool,
     count_demand: bool,
-) -> std::result::Result<Spend, crate::store::StoreError> {
+) -> batch::Answer {
     let common = Common {
         fallback,
         window_secs: p.window_secs,
@@ -453,9 +452,28 @@ async fn spend_once(
     let rid = req.request_id.as_deref().map(Keys::request_id_suffix).unwrap_or_default();
     let ask = Ask { cost: req.cost, rid, count_demand };
     let sent = Instant::now();
-    let r = batch::spend(app, q, common, ask).await;
+    let run = {
+        let (app, q) = (app.clone(), q.clone());
+        move |common, asks: Vec<Ask>| {
+            let (app, q) = (app.clone(), q.clone());
+            async move { spend_run(&app, &q, common, &asks).await }
+        }
+    };
+    let r = batch::spend(&q.spends, app.settings.redis_timeout, common, ask, run).await;
     app.metrics.observe("agent_acquire_store_seconds", &[], sent.elapsed().as_secs_f64());
     r
+}
+
+/// One run of the spend script for `asks` on the quota, settled (the
+/// token adopted, a loss handled) before its answers go out.
+async fn spend_run(app: &AppState, q: &Quota, common: Common, asks: &[Ask]) -> batch::RunAnswer {
+    app.metrics.inc("agent_spend_runs_total", &[]);
+    let token = q.token();
+    let on = On { prefix: &q.prefix, token: &token };
+    let by = Caller { agent: &app.settings.agent, epoch: app.ident.epoch() };
+    let r = scripts::spend(&app.store, on, by, common, asks).await?;
+    q.settle(&r, &app.ident, &app.metrics);
+    Ok(r)
 }
 
 #[cfg(test)]
@@ -502,6 +520,65 @@ mod step_tests {
         // Bounded: spend again with the fallback; once it was tried, 503.
         assert_eq!(step(seen(-1, -1, false, FailMode::Bounded, false), Duration::ZERO, B), Step::Again);
         assert_eq!(step(seen(-1, -1, false, FailMode::Bounded, true), Duration::ZERO, B), Step::Unavailable);
+    }
+
+    #[test]
+    fn the_acquire_rule_table() {
+        use FailMode::{Bounded, Strict};
+        let ms = Duration::from_millis;
+        // (case, seen, waited so far, next step), budget B = 600 ms.
+        let cases = [
+            ("lease opens now", seen(0, -1, true, Strict, false), ms(0), Step::SleepOpen(ms(2))),
+            (
+                "lease opens at the open-wait limit",
+                seen(MAX_OPEN_WAIT_MS, -1, true, Strict, false),
+                ms(0),
+                Step::SleepOpen(ms(252)),
+            ),
+            (
+                "an opening lease beats an empty mark",
+                seen(10, 900, true, Bounded, false),
+                ms(0),
+                Step::SleepOpen(ms(12)),
+            ),
+            (
+                "an opening lease is waited for even unreachable",
+                seen(10, -1, false, Strict, false),
+                ms(0),
+                Step::SleepOpen(ms(12)),
+            ),
+            ("pool empty, reachable: 429", seen(-1, 900, true, Bounded, false), ms(0), Step::Exhausted(900)),
+            (
+                "pool empty after the budget: still 429",
+                seen(-1, 900, true, Bounded, false),
+                ms(700),
+                Step::Exhausted(900),
+            ),
+            ("no mark (0 ms left): wait", seen(-1, 0, true, Bounded, false), ms(0), Step::WaitRenewal(B)),
+            (
+                "no token, budget left: wait the rest",
+                seen(-1, -1, true, Bounded, false),
+                ms(250),
+                Step::WaitRenewal(ms(350)),
+            ),
+            ("no token, budget spent: 503", seen(-1, -1, true, Bounded, false), ms(600), Step::Unavailable),
+            ("unreachable, strict: 503", seen(-1, -1, false, Strict, false), ms(0), Step::Unavailable),
+            (
+                "unreachable, bounded: try the fallback",
+                seen(-1, 900, false, Bounded, false),
+                ms(0),
+                Step::Again,
+            ),
+            (
+                "unreachable, fallback tried and spent: 503",
+                seen(-1, -1, false, Bounded, true),
+                ms(0),
+                Step::Unavailable,
+            ),
+        ];
+        for (case, s, waited, want) in cases {
+            assert_eq!(step(s, waited, B), want, "{case}");
+        }
     }
 
     #[test]

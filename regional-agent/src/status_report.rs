@@ -12,96 +12,21 @@
 //! on the request path waits for it. A `409 stale_epoch` asks for a new
 //! registration, like any fenced call.
 //!
-//! The per-window counts live in memory ([`FleetStatus`]): at most
-//! [`MAX_COUNTED`] quotas, only quotas with a known policy (the request
+//! The per-window counts live in memory ([`crate::fleet_counts::FleetStatus`]): at most
+//! [`crate::fleet_counts::MAX_COUNTED`] quotas, only quotas with a known policy (the request
 //! path's unknown names never make an entry), and entries of quotas that
 //! left the registry go at the next status.
 
+use crate::app::AppState;
 use crate::client::CallError;
-use crate::quotas::PolicyInfo;
-use crate::AppState;
-use chrono::{DateTime, Utc};
+use crate::fleet_counts::WindowCounts;
 use quota_shared::prom::Registry;
 use quota_shared::window::Window;
 use quota_shared::wire::{AgentQuotaStatus, AgentStatusReport, QuotaMode};
-use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicI64, Ordering};
-use std::sync::Mutex;
+use std::collections::HashSet;
 
 /// Most quotas one status lists (the allocator's bound).
 pub const MAX_QUOTAS: usize = 200;
-/// Most quotas whose refusals are counted at once.
-pub const MAX_COUNTED: usize = 10_000;
-
-/// The 429 and 503 answers of one quota in one window.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct WindowCounts {
-    /// Unix seconds.
-    pub window_start: i64,
-    pub quota_exhausted: i64,
-    pub unavailable: i64,
-}
-
-impl WindowCounts {
-    /// The counts after an answer with error code `outcome` in the window
-    /// starting at `window_start`: a new window starts from zero; answers
-    /// that are neither 429 nor 503 change nothing but the window.
-    pub fn record(self, window_start: i64, outcome: &str) -> WindowCounts {
-        let mut c = if window_start == self.window_start {
-            self
-        } else {
-            WindowCounts { window_start, ..Default::default() }
-        };
-        match outcome {
-            "quota_exhausted" => c.quota_exhausted += 1,
-            "allocator_unreachable" | "store_unavailable" => c.unavailable += 1,
-            _ => {}
-        }
-        c
-    }
-}
-
-/// What the status carries beside the quota registry.
-#[derive(Default)]
-pub struct FleetStatus {
-    counts: Mutex<HashMap<(String, String), WindowCounts>>,
-    /// Entries left after the last complete drain round (-1: none yet).
-    outbox_depth: AtomicI64,
-}
-
-impl FleetStatus {
-    /// Counts a refused acquire of `quota` ("tenant/resource") whose policy
-    /// is known, in the window containing `now` (the allocator's clock).
-    pub fn count(&self, quota: &str, policy: Option<PolicyInfo>, outcome: &str, now: DateTime<Utc>) {
-        let (Some(p), Some((tenant, resource))) = (policy, quota.split_once('/')) else { return };
-        if !matches!(outcome, "quota_exhausted" | "allocator_unreachable" | "store_unavailable") {
-            return;
-        }
-        let start = Window::containing(now, p.window_secs).start;
-        let mut counts = self.counts.lock().unwrap();
-        let key = (tenant.to_string(), resource.to_string());
-        if counts.len() >= MAX_COUNTED && !counts.contains_key(&key) {
-            return;
-        }
-        let c = counts.entry(key).or_default();
-        *c = c.record(start, outcome);
-    }
-
-    /// Records the outbox depth of a complete drain round.
-    pub fn set_outbox_depth(&self, left: i64) {
-        self.outbox_depth.store(left, Ordering::Relaxed);
-    }
-
-    fn counts_of(&self, tenant: &str, resource: &str) -> Option<WindowCounts> {
-        self.counts.lock().unwrap().get(&(tenant.to_string(), resource.to_string())).copied()
-    }
-
-    /// Forgets the quotas not in `held`.
-    fn retain(&self, held: &HashSet<(String, String)>) {
-        self.counts.lock().unwrap().retain(|k, _| held.contains(k));
-    }
-}
-
 /// The quotas a status lists: at most `max`, those refused in their window
 /// or not leased first, then by name.
 pub fn pick(mut quotas: Vec<AgentQuotaStatus>, max: usize) -> Vec<AgentQuotaStatus> {
@@ -154,7 +79,7 @@ pub async fn build(app: &AppState) -> Option<AgentStatusReport> {
     Some(AgentStatusReport {
         epoch,
         allocator_reachable: reachable,
-        outbox_depth: app.fleet_status.outbox_depth.load(Ordering::Relaxed).max(0),
+        outbox_depth: app.fleet_status.outbox_depth(),
         dead_letters,
         quotas_total: held.len() as i64,
         quotas: pick(quotas, MAX_QUOTAS),
@@ -206,46 +131,12 @@ mod tests {
     use super::*;
 
     #[test]
-    fn counts_restart_with_each_window_and_ignore_other_answers() {
-        let c = WindowCounts::default().record(60, "quota_exhausted").record(60, "store_unavailable");
-        assert_eq!(c, WindowCounts { window_start: 60, quota_exhausted: 1, unavailable: 1 });
-        let c = c.record(60, "allocator_unreachable").record(60, "lease");
-        assert_eq!((c.quota_exhausted, c.unavailable), (1, 2));
-        assert_eq!(
-            c.record(120, "quota_exhausted"),
-            WindowCounts { window_start: 120, quota_exhausted: 1, unavailable: 0 }
-        );
-    }
-
-    #[test]
-    fn only_known_quotas_and_refusals_are_counted() {
-        let s = FleetStatus::default();
-        let p = PolicyInfo {
-            limit: 10,
-            window_secs: 60,
-            fail_mode: quota_shared::wire::FailMode::Bounded,
-            fallback_allowance: 0,
-            version: 1,
-        };
-        let now = DateTime::from_timestamp(1_800_000_030, 0).unwrap();
-        s.count("atlas/read", Some(p), "quota_exhausted", now);
-        s.count("atlas/read", Some(p), "lease", now);
-        s.count("atlas/read", None, "quota_exhausted", now);
-        s.count("nosuch/name", None, "allocator_unreachable", now);
-        assert_eq!(
-            s.counts_of("atlas", "read"),
-            Some(WindowCounts { window_start: 1_800_000_000, quota_exhausted: 1, unavailable: 0 })
-        );
-        assert_eq!(s.counts_of("nosuch", "name"), None);
-    }
-
-    #[test]
     fn a_status_lists_refused_and_unleased_quotas_first_and_is_capped() {
         let q = |t: &str, mode, e| AgentQuotaStatus {
             tenant: t.into(),
             resource: "r".into(),
             mode,
-            window_start: DateTime::from_timestamp(0, 0).unwrap(),
+            window_start: chrono::DateTime::from_timestamp(0, 0).unwrap(),
             quota_exhausted: e,
             unavailable: 0,
         };

@@ -1,8 +1,8 @@
 //! The region's Redis: one connection (a reconnecting manager for a single
 //! server, a cluster connection for Redis Cluster, or the primary found
 //! through Sentinel, see [`crate::sentinel`]), every call bounded by a
-//! timeout, and the Lua scripts loaded once from `lua/*.lua` (EVALSHA, with
-//! a reload on NOSCRIPT done by `redis::Script`).
+//! timeout. The Lua scripts, their arguments and replies are
+//! the `scripts` module's; this module only runs them.
 //!
 //! Errors are not classified further: whatever Redis answers other than a
 //! result means the agent cannot decide, which is `503 store_unavailable`
@@ -23,32 +23,10 @@ use crate::redis_tls;
 use crate::sentinel::{Primary, SentinelTls};
 use redis::aio::ConnectionManager;
 use redis::cluster_async::ClusterConnection;
-use redis::{ErrorKind, FromRedisValue, RedisError, Script, ScriptInvocation, Value};
+use redis::{ErrorKind, FromRedisValue, RedisError, ScriptInvocation};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, LazyLock, Mutex};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
-
-/// The prelude shared by the scripts (see `lua/prelude.lua`): lease scan,
-/// incarnation and rollback check, fences, the region's fallback clock.
-const PRELUDE: &str = include_str!("../lua/prelude.lua");
-
-/// `lua/spend.lua`: the admission decisions of a batch of requests on one quota (I5).
-pub static SPEND: LazyLock<Script> =
-    LazyLock::new(|| Script::new(&format!("{PRELUDE}\n{}", include_str!("../lua/spend.lua"))));
-/// `lua/view.lua`: the renewer's view and the expiry sweep.
-pub static VIEW: LazyLock<Script> =
-    LazyLock::new(|| Script::new(&format!("{PRELUDE}\n{}", include_str!("../lua/view.lua"))));
-/// `lua/credit.lua`: credits a lease, idempotent by lease id, epoch-fenced.
-pub static CREDIT: LazyLock<Script> =
-    LazyLock::new(|| Script::new(&format!("{PRELUDE}\n{}", include_str!("../lua/credit.lua"))));
-/// `lua/cut.lua`: moves unreported counts into an outbox entry (I7).
-pub static CUT: LazyLock<Script> =
-    LazyLock::new(|| Script::new(&format!("{PRELUDE}\n{}", include_str!("../lua/cut.lua"))));
-/// `lua/fence.lua`: raises an agent's epoch fence in one quota (I4).
-pub static FENCE: LazyLock<Script> =
-    LazyLock::new(|| Script::new(&format!("{PRELUDE}\n{}", include_str!("../lua/fence.lua"))));
-/// `lua/unlock.lua`: releases the renew lock if still ours.
-pub static UNLOCK: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("../lua/unlock.lua")));
 
 /// Why a Redis call failed (cloned to every request of a failed batch).
 #[derive(Debug, Clone, thiserror::Error)]
@@ -324,50 +302,6 @@ impl Store {
     /// `PING`, for readiness.
     pub async fn ping(&self) -> bool {
         self.cmd::<String>(&redis::cmd("PING")).await.is_ok()
-    }
-}
-
-/// A script's array answer, read field by field.
-pub struct Reply(Vec<Value>);
-
-impl FromRedisValue for Reply {
-    fn from_redis_value(v: Value) -> Result<Self, redis::ParsingError> {
-        match v {
-            Value::Array(items) => Ok(Reply(items)),
-            other => Ok(Reply(vec![other])),
-        }
-    }
-}
-
-impl Reply {
-    /// Field `i` as text (`""` when absent or nil).
-    pub fn str(&self, i: usize) -> String {
-        match self.0.get(i) {
-            Some(Value::BulkString(b)) => String::from_utf8_lossy(b).into_owned(),
-            Some(Value::SimpleString(s)) => s.clone(),
-            Some(Value::Int(n)) => n.to_string(),
-            Some(Value::Okay) => "OK".into(),
-            _ => String::new(),
-        }
-    }
-
-    /// Field `i`, itself an array (empty when absent or not an array).
-    pub fn nested(&self, i: usize) -> Reply {
-        match self.0.get(i) {
-            Some(Value::Array(items)) => Reply(items.clone()),
-            _ => Reply(Vec::new()),
-        }
-    }
-
-    /// Field `i` as an integer (0 when absent or not a number).
-    pub fn int(&self, i: usize) -> i64 {
-        match self.0.get(i) {
-            Some(Value::Int(n)) => *n,
-            Some(Value::BulkString(b)) => {
-                std::str::from_utf8(b).ok().and_then(|s| s.parse().ok()).unwrap_or(0)
-            }
-            _ => 0,
-        }
     }
 }
 

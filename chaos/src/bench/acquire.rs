@@ -2,10 +2,10 @@
 //! each repetition measured next to three references on the same Redis at
 //! the same concurrency:
 //!
-//! * the ceiling: the agent's own spend script (`regional_agent::store::SPEND` through `batch::spend_invocation`,
-//!   the same prelude + `spend.lua`) by EVALSHA on the agent's own quota
-//!   keys, with the arguments the agent sends, over one multiplexed
-//!   connection like the agent's;
+//! * the ceiling: the agent's own spend script, called through the agent's
+//!   script layer (`regional_agent::scripts::spend`: the same prelude +
+//!   `spend.lua`, the same arguments) on the agent's own quota keys, over
+//!   the agent's own kind of store (one multiplexed connection);
 //! * the HTTP floor: `GET /healthz` of the same agent, which touches no
 //!   Redis, so `decision ≈ floor + script` says where the time goes;
 //! * the peer: `limitador` with its async Redis storage and one counter
@@ -21,9 +21,10 @@ use super::rig::Rig;
 use super::{Plan, Results};
 use futures::FutureExt;
 use quota_tests::redis::TestRedis;
-use regional_agent::batch::{spend_invocation, Ask, Common};
+use regional_agent::client::TlsFiles;
 use regional_agent::keys::Keys;
-use regional_agent::store::Reply;
+use regional_agent::scripts::{self, Ask, Caller, Common, On, Outcome, Spend};
+use regional_agent::store::Store;
 use serde_json::json;
 use std::sync::Arc;
 use std::time::Duration;
@@ -99,10 +100,10 @@ struct SpendArgs {
     epoch: i64,
 }
 
-fn spend_op(conn: redis::aio::ConnectionManager, a: SpendArgs) -> Op {
+fn spend_op(store: Store, a: SpendArgs) -> Op {
     let a = Arc::new(a);
     Arc::new(move |_, _| {
-        let (mut conn, a) = (conn.clone(), a.clone());
+        let (store, a) = (store.clone(), a.clone());
         async move {
             let common = Common {
                 fallback: false,
@@ -112,13 +113,16 @@ fn spend_op(conn: redis::aio::ConnectionManager, a: SpendArgs) -> Op {
             };
             // One request per run: the script as one client's decision costs.
             let ask = Ask { cost: 1, rid: String::new(), count_demand: true };
-            let inv = spend_invocation(&a.prefix, &a.token, "bench-fresh", common, &a.agent, a.epoch, &[ask]);
-            let r: Reply = tokio::time::timeout(CALL_TIMEOUT, inv.invoke_async(&mut conn))
+            let on = On { prefix: &a.prefix, token: &a.token };
+            let by = Caller { agent: &a.agent, epoch: a.epoch };
+            // The store bounds the call by its timeout (CALL_TIMEOUT).
+            let r = scripts::spend(&store, on, by, common, &[ask])
                 .await
-                .map_err(|_| "spend script timed out".to_string())?
                 .map_err(|e| format!("spend script: {e}"))?;
-            match (r.str(0).as_str(), r.nested(2).str(0).as_str()) {
-                ("ok", "lease") => Ok(()),
+            match r {
+                Outcome::Ran { value, .. } if matches!(value.first(), Some(Spend::Admit(a)) if a.source == "lease") => {
+                    Ok(())
+                }
                 other => Err(format!("spend script answered {other:?}")),
             }
         }
@@ -156,6 +160,9 @@ pub async fn run(rig: &Rig, plan: &Plan, out: &mut Results, progress: &dyn Fn(&s
         .await
         .map_err(|e| format!("reading the incarnation key: {e}"))?;
     let token = token.ok_or("the agent's incarnation key is missing after warm-up")?;
+    let store =
+        Store::connect(std::slice::from_ref(&redis.url), false, None, &TlsFiles::default(), CALL_TIMEOUT)
+            .await?;
     let args = SpendArgs {
         prefix: prefix.clone(),
         token,
@@ -183,7 +190,7 @@ pub async fn run(rig: &Rig, plan: &Plan, out: &mut Results, progress: &dyn Fn(&s
             let a = closed_loop(c, plan.acquire, acquire_op(http.clone(), &agent.base)).await?;
             let stage = StageSums::read(&http, &agent.base).await?.since(&before, a.mean_ms);
             stages.push(stage);
-            let l = closed_loop(c, plan.acquire, spend_op(conn.clone(), args.clone())).await?;
+            let l = closed_loop(c, plan.acquire, spend_op(store.clone(), args.clone())).await?;
             let f = closed_loop(c, plan.acquire, healthz_op(http.clone(), &agent.base)).await?;
             r_ceiling.push(a.per_s / l.per_s.max(f64::MIN_POSITIVE));
             if let Ok(p) = &peer {

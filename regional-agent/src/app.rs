@@ -1,0 +1,144 @@
+//! What the handlers and background tasks share: the settings, the Redis
+//! store, the allocator client, the quota registry, the agent's identity,
+//! the metrics, the clocks, and the background tasks to stop at shutdown.
+//! It knows no handler and no task (they take what they use from it), so
+//! the modules that use it never lead back here.
+
+use crate::client::AllocatorClient;
+use crate::config::Settings;
+use crate::fleet_counts::FleetStatus;
+use crate::identity::Identity;
+use crate::keys::Keys;
+use crate::quotas::{self, Quotas};
+use crate::store::Store;
+use crate::{fallback, guard};
+use quota_shared::clock::{Clock, OffsetClock, SystemClock};
+use quota_shared::prom::Registry;
+use std::future::Future;
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, Mutex};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+/// Everything the handlers and background tasks share.
+pub struct App {
+    pub settings: Settings,
+    pub keys: Keys,
+    pub store: Store,
+    pub alloc: AllocatorClient,
+    pub quotas: Quotas,
+    pub ident: Identity,
+    pub metrics: Registry,
+    /// UTC for windows (scheduling and the fallback window), monotonic for deadlines.
+    pub clock: Arc<dyn Clock>,
+    /// The region's incarnation key was missing at start (see the crate doc).
+    pub region_fresh: AtomicBool,
+    /// The opt-in local allowance while Redis is down.
+    pub local: fallback::LocalFallback,
+    /// Quota names the allocator recently answered 404 for.
+    pub unknown: quotas::Unknown,
+    /// The allocator's clock as its last grant answer showed it, and the
+    /// monotonic instant that answer arrived (see [`App::allocator_now`]).
+    alloc_time: Mutex<Option<(chrono::DateTime<chrono::Utc>, std::time::Instant)>>,
+    /// Whether the region's Redis may be trusted to keep keys (eviction policy).
+    pub guard: guard::Guard,
+    /// Per-window refusal counts and the outbox depth for the allocator's fleet pages.
+    pub fleet_status: FleetStatus,
+    /// Stops the background tasks.
+    pub cancel: CancellationToken,
+    tasks: Mutex<Vec<JoinHandle<()>>>,
+}
+
+/// Shared state of every handler.
+pub type AppState = Arc<App>;
+
+impl App {
+    /// Connects the clients (Redis lazily for a single server). The metric
+    /// families are declared by the caller (`describe_metrics` in the crate root).
+    pub async fn new(settings: Settings) -> Result<AppState, String> {
+        let store = Store::connect(
+            &settings.redis,
+            settings.redis_cluster,
+            settings.sentinel.as_ref(),
+            &settings.redis_tls,
+            settings.redis_timeout,
+        )
+        .await?;
+        let alloc = AllocatorClient::new(
+            &settings.allocator,
+            settings.agent_token.clone(),
+            settings.allocator_timeout,
+            &settings.allocator_tls,
+        )?;
+        let metrics = Registry::default();
+        let clock: Arc<dyn Clock> = match settings.test_clock_offset_ms {
+            0 => Arc::new(SystemClock),
+            ms => {
+                tracing::warn!(offset_ms = ms, "wall clock shifted for testing (--test-clock-offset-ms)");
+                Arc::new(OffsetClock::new(chrono::Duration::milliseconds(ms)))
+            }
+        };
+        Ok(Arc::new(App {
+            keys: Keys::new(&settings.redis_prefix),
+            settings,
+            store,
+            alloc,
+            quotas: Quotas::default(),
+            ident: Identity::default(),
+            metrics,
+            clock,
+            region_fresh: AtomicBool::new(false),
+            local: fallback::LocalFallback::default(),
+            unknown: quotas::Unknown::default(),
+            alloc_time: Mutex::new(None),
+            guard: guard::Guard::default(),
+            fleet_status: FleetStatus::default(),
+            cancel: CancellationToken::new(),
+            tasks: Mutex::new(Vec::new()),
+        }))
+    }
+
+    /// Whether the allocator counts as reachable (see the crate doc).
+    pub fn allocator_reachable(&self) -> bool {
+        self.alloc.breaker.reachable()
+    }
+
+    /// Records the allocator's clock read off a grant answer (`at` is the
+    /// allocator's instant when it answered, `arrived` when the answer came).
+    pub fn observe_allocator_time(&self, at: chrono::DateTime<chrono::Utc>, arrived: std::time::Instant) {
+        *self.alloc_time.lock().unwrap() = Some((at, arrived));
+    }
+
+    /// The allocator's clock minus this host's (the agent's own clock), as
+    /// the last grant answer showed it; `None` before the first answer.
+    /// Only for operators: no decision reads it.
+    pub fn allocator_clock_offset(&self) -> Option<chrono::Duration> {
+        let known = self.alloc_time.lock().unwrap().is_some();
+        known.then(|| self.allocator_now() - self.clock.now_utc())
+    }
+
+    /// The allocator's clock now, extrapolated with the monotonic clock from
+    /// its last answer (I8: window decisions of this agent's own, such as the
+    /// local store fallback, follow the allocator, not this host's wall
+    /// clock); this host's clock only before the first answer.
+    pub fn allocator_now(&self) -> chrono::DateTime<chrono::Utc> {
+        match *self.alloc_time.lock().unwrap() {
+            Some((at, arrived)) => {
+                at + chrono::Duration::from_std(arrived.elapsed())
+                    .unwrap_or_else(|_| chrono::Duration::zero())
+            }
+            None => self.clock.now_utc(),
+        }
+    }
+
+    /// Runs `f` as a background task the shutdown waits for (and cuts at
+    /// its deadline).
+    pub fn spawn(&self, f: impl Future<Output = ()> + Send + 'static) {
+        self.tasks.lock().unwrap().push(tokio::spawn(f));
+    }
+
+    /// The background tasks started so far (taken: the shutdown awaits them).
+    pub(crate) fn take_tasks(&self) -> Vec<JoinHandle<()>> {
+        std::mem::take(&mut *self.tasks.lock().unwrap())
+    }
+}

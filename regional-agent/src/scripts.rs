@@ -1,0 +1,561 @@
+//! The agent's Redis contract: the one place that knows each Lua script of
+//! `lua/*.lua` (loaded once, EVALSHA with a reload on NOSCRIPT done by
+//! `redis::Script`), the order of its KEYS and ARGV and the shape of its
+//! reply. The rest of the agent (and the bench) calls the typed functions
+//! below; key names come from [`crate::keys`], and the scripts only append
+//! fixed suffixes to the quota prefix they receive.
+//!
+//! The scripts that decide on a quota's state (spend, view) or add to it
+//! (credit) check its incarnation first (see `lua/prelude.lua`). Their
+//! answer is an [`Outcome`]: either the value, with the incarnation the
+//! script ran on, or one [`Lost`] saying the state changed under the token
+//! sent; the agent handles both in one place (`Quota::settle` in `quotas`).
+//!
+//! Every call is one round trip with a span of its own (level `debug`).
+
+use crate::keys::{Keys, COUNTER_TTL_MS};
+use crate::store::{Store, StoreError};
+use redis::{FromRedisValue, Script, ScriptInvocation, Value};
+use std::sync::LazyLock;
+use std::time::Instant;
+
+/// The prelude shared by the scripts (see `lua/prelude.lua`): lease scan,
+/// incarnation and rollback check, fences, the region's fallback clock.
+const PRELUDE: &str = include_str!("../lua/prelude.lua");
+
+/// `lua/spend.lua`: the admission decisions of a batch of requests on one quota (I5).
+static SPEND: LazyLock<Script> =
+    LazyLock::new(|| Script::new(&format!("{PRELUDE}\n{}", include_str!("../lua/spend.lua"))));
+/// `lua/view.lua`: the renewer's view and the expiry sweep.
+static VIEW: LazyLock<Script> =
+    LazyLock::new(|| Script::new(&format!("{PRELUDE}\n{}", include_str!("../lua/view.lua"))));
+/// `lua/credit.lua`: credits a lease, idempotent by lease id, epoch-fenced.
+static CREDIT: LazyLock<Script> =
+    LazyLock::new(|| Script::new(&format!("{PRELUDE}\n{}", include_str!("../lua/credit.lua"))));
+/// `lua/cut.lua`: moves unreported counts into an outbox entry (I7).
+static CUT: LazyLock<Script> =
+    LazyLock::new(|| Script::new(&format!("{PRELUDE}\n{}", include_str!("../lua/cut.lua"))));
+/// `lua/fence.lua`: raises an agent's epoch fence in one quota (I4).
+static FENCE: LazyLock<Script> =
+    LazyLock::new(|| Script::new(&format!("{PRELUDE}\n{}", include_str!("../lua/fence.lua"))));
+/// `lua/unlock.lua`: releases the renew lock if still ours.
+static UNLOCK: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("../lua/unlock.lua")));
+
+/// The quota a script runs on, as the agent knows it.
+#[derive(Debug, Clone, Copy)]
+pub struct On<'a> {
+    /// The quota's key prefix ([`Keys::quota`]).
+    pub prefix: &'a str,
+    /// The incarnation token the agent last saw (`""` or `"?"` before the
+    /// first touch, see `lua/prelude.lua`).
+    pub token: &'a str,
+}
+
+/// The agent a script runs for.
+#[derive(Debug, Clone, Copy)]
+pub struct Caller<'a> {
+    pub agent: &'a str,
+    /// 0 before the first registration.
+    pub epoch: i64,
+}
+
+/// What a script that checks the quota's incarnation came to.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Outcome<T> {
+    /// It ran on incarnation `token` (the one sent, or the one it installed
+    /// on a first touch; empty when the script does not say).
+    Ran { token: String, value: T },
+    /// The state changed under the token sent; nothing was decided.
+    Lost(Lost),
+}
+
+/// A changed incarnation: what the quota's state is now, and why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Lost {
+    /// The incarnation now in force (empty when the script does not say).
+    pub token: String,
+    pub cause: LossCause,
+}
+
+/// Why a script found the incarnation changed (the loss flag of
+/// `lua/prelude.lua`, or a credit that found another incarnation).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LossCause {
+    /// Flag 1: the first touch of a quota in a region whose incarnation key
+    /// was missing; the script installed a new state (fallback counted as
+    /// spent); nothing to re-register for.
+    Installed,
+    /// Flag 2: the quota's state is gone or another incarnation's.
+    Lost,
+    /// Flag 3: the server's history changed (restart, restored snapshot,
+    /// failover, eviction); the old state was stranded.
+    RolledBack,
+    /// A credit found another incarnation than the one it was sent for
+    /// (the lease is stranded; the next round adopts the new state).
+    Moved,
+}
+
+impl LossCause {
+    /// The loss flag of `lua/prelude.lua` (1, 2 or 3).
+    fn from_flag(flag: i64) -> LossCause {
+        match flag {
+            3 => LossCause::RolledBack,
+            2 => LossCause::Lost,
+            _ => LossCause::Installed,
+        }
+    }
+}
+
+/// What every decision of one spend run shares.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Common {
+    /// Whether the region's fallback allowance may be used.
+    pub fallback: bool,
+    /// The quota's window length (s): the script takes the fallback window
+    /// from the region's one clock (I8), not from this agent's.
+    pub window_secs: i64,
+    /// Fallback allowance per window.
+    pub allowance: i64,
+    /// How long a request id is remembered (ms).
+    pub rid_ttl_ms: i64,
+}
+
+/// One request's part of a spend run.
+#[derive(Debug, Clone)]
+pub struct Ask {
+    pub cost: i64,
+    /// Request id key suffix ([`Keys::request_id_suffix`]), empty when the
+    /// request carries none.
+    pub rid: String,
+    /// Whether this try counts toward demand (the first try of a request).
+    pub count_demand: bool,
+}
+
+/// An admit.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Admit {
+    /// `lease` or `fallback`.
+    pub source: String,
+    pub window_start: i64,
+    pub remaining: i64,
+}
+
+/// What the spend script decided for one request.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Spend {
+    Admit(Admit),
+    /// No token: `wait_ms` until a next-window lease opens (or -1),
+    /// `exhausted_ms` > 0 while the allocator's "pool empty" mark holds.
+    None {
+        wait_ms: i64,
+        exhausted_ms: i64,
+    },
+}
+
+/// A fresh incarnation token, for a script to install when the quota's
+/// incarnation key is missing.
+fn fresh() -> String {
+    uuid::Uuid::new_v4().simple().to_string()
+}
+
+fn flag(b: bool) -> &'static str {
+    if b {
+        "1"
+    } else {
+        "0"
+    }
+}
+
+/// `lua/spend.lua`'s invocation deciding `asks` in order.
+fn spend_invocation(on: On<'_>, by: Caller<'_>, common: Common, asks: &[Ask]) -> ScriptInvocation<'static> {
+    let mut inv = SPEND.prepare_invoke();
+    inv.key(Keys::incarnation(on.prefix))
+        .arg(on.prefix)
+        .arg(on.token)
+        .arg(fresh())
+        .arg(common.rid_ttl_ms)
+        .arg(flag(common.fallback))
+        .arg(common.window_secs)
+        .arg(common.allowance)
+        .arg(COUNTER_TTL_MS)
+        .arg(by.agent)
+        .arg(by.epoch);
+    for a in asks {
+        inv.arg(a.cost).arg(&a.rid).arg(flag(a.count_demand));
+    }
+    inv
+}
+
+/// One run of the spend script: the decisions of `asks`, in order.
+#[tracing::instrument(level = "debug", skip_all, fields(prefix = on.prefix, asks = asks.len()))]
+pub async fn spend(
+    store: &Store,
+    on: On<'_>,
+    by: Caller<'_>,
+    common: Common,
+    asks: &[Ask],
+) -> Result<Outcome<Vec<Spend>>, StoreError> {
+    let r: Reply = store.eval(&spend_invocation(on, by, common, asks)).await?;
+    read_spend(&r, asks.len())
+}
+
+/// The spend script's reply: `{'lost', token, flag}` or `{'ok', token, d1, d2, ...}`.
+fn read_spend(r: &Reply, asks: usize) -> Result<Outcome<Vec<Spend>>, StoreError> {
+    let token = r.str(1);
+    match r.str(0).as_str() {
+        "lost" => Ok(Outcome::Lost(Lost { token, cause: LossCause::from_flag(r.int(2)) })),
+        "ok" => {
+            let value = (0..asks).map(|i| decision(&r.nested(2 + i))).collect::<Result<_, _>>()?;
+            Ok(Outcome::Ran { token, value })
+        }
+        other => Err(StoreError::Protocol(other.to_string())),
+    }
+}
+
+fn short() -> StoreError {
+    StoreError::Protocol("the spend script answered fewer decisions than requests".into())
+}
+
+/// One decision of the spend script's answer.
+fn decision(d: &Reply) -> Result<Spend, StoreError> {
+    let code = d.str(0);
+    Ok(match code.as_str() {
+        "lease" | "fallback" => {
+            Spend::Admit(Admit { source: code, window_start: d.int(1), remaining: d.int(2) })
+        }
+        "dup" => {
+            let s = d.str(1);
+            let mut it = s.splitn(3, ':');
+            let source = it.next().unwrap_or("lease").to_string();
+            let ws = it.next().and_then(|v| v.parse().ok()).unwrap_or(0);
+            let remaining = it.next().and_then(|v| v.parse().ok()).unwrap_or(0);
+            Spend::Admit(Admit { source, window_start: ws, remaining })
+        }
+        "none" => Spend::None { wait_ms: d.int(1), exhausted_ms: d.int(2) },
+        "" => return Err(short()),
+        other => return Err(StoreError::Protocol(other.to_string())),
+    })
+}
+
+/// What the view script passes besides the quota and the caller.
+#[derive(Debug, Clone, Copy)]
+pub struct ViewArgs {
+    /// The quota's window length (s), 1 while the policy is unknown.
+    pub window_secs: i64,
+    /// Fallback allowance per window (counted as spent after a loss).
+    pub allowance: i64,
+    /// Tokens count as lasting in leases with at least this long to live.
+    pub lasting_ms: i64,
+}
+
+/// The renewer's look at a quota's region balance.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct View {
+    /// Window start of the spendable leases, or -1.
+    pub ws: i64,
+    /// Tokens left in spendable leases.
+    pub available: i64,
+    /// Of those, the tokens in leases that live at least as long as the
+    /// renewer asked (its horizon, or to the window's end).
+    pub lasting: i64,
+    /// Smallest remaining life of those leases (ms), -1 without lease.
+    pub life_ms: i64,
+    /// Tokens of next-window leases not yet spendable.
+    pub pending: i64,
+    /// Remaining life of the "pool exhausted" marker (ms), ≤ 0 when none.
+    pub exhausted_ms: i64,
+    /// When the view was taken.
+    pub at: Option<Instant>,
+}
+
+/// The view script: sweeps expired leases, reads balance and demand.
+/// The value is the view and the region's cumulative demand counter.
+#[tracing::instrument(level = "debug", skip_all, fields(prefix = on.prefix))]
+pub async fn view(
+    store: &Store,
+    on: On<'_>,
+    by: Caller<'_>,
+    a: ViewArgs,
+) -> Result<Outcome<(View, i64)>, StoreError> {
+    let mut inv = VIEW.prepare_invoke();
+    inv.key(Keys::incarnation(on.prefix))
+        .arg(on.prefix)
+        .arg(on.token)
+        .arg(fresh())
+        .arg(a.window_secs)
+        .arg(a.allowance)
+        .arg(by.agent)
+        .arg(by.epoch)
+        .arg(COUNTER_TTL_MS)
+        .arg(a.lasting_ms);
+    let r: Reply = store.eval(&inv).await?;
+    Ok(read_view(&r, Instant::now()))
+}
+
+/// `{code, token, ws|-1, available, life_ms, pending, wait_ms, demand_total,
+/// exhausted_pttl, lasting}`; code `lost` carries the loss flag third.
+fn read_view(r: &Reply, at: Instant) -> Outcome<(View, i64)> {
+    let token = r.str(1);
+    if r.str(0) == "lost" {
+        return Outcome::Lost(Lost { token, cause: LossCause::from_flag(r.int(2)) });
+    }
+    let v = View {
+        ws: r.int(2),
+        available: r.int(3),
+        lasting: r.int(9),
+        life_ms: r.int(4),
+        pending: r.int(5),
+        exhausted_ms: r.int(8),
+        at: Some(at),
+    };
+    Outcome::Ran { token, value: (v, r.int(7)) }
+}
+
+/// A granted lease to credit.
+#[derive(Debug, Clone)]
+pub struct Lease {
+    pub id: String,
+    /// The grant's epoch (fenced against the agent's fence, I4).
+    pub epoch: i64,
+    pub tokens: i64,
+    pub window_start: i64,
+    /// Remaining life (ms) from the instant the grant was sent (I2).
+    pub life_ms: i64,
+    /// ms until the lease's window opens (0 for the current window).
+    pub nb_ms: i64,
+    /// The allocator's clock now (Unix ms), for the region's one clock (I8).
+    pub alloc_now_ms: i64,
+}
+
+/// What a credit did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Credit {
+    /// Credited.
+    Credited,
+    /// The lease id was credited before (a replayed grant).
+    Replayed,
+    /// Its life was over on arrival.
+    Expired,
+    /// Its epoch is below the agent's fence.
+    Stale,
+}
+
+/// The credit script: credits `lease` into the quota's balance, for the
+/// incarnation `on.token` only.
+#[tracing::instrument(level = "debug", skip_all, fields(prefix = on.prefix, lease_id = %lease.id))]
+pub async fn credit(
+    store: &Store,
+    on: On<'_>,
+    agent: &str,
+    lease: &Lease,
+) -> Result<Outcome<Credit>, StoreError> {
+    let mut inv = CREDIT.prepare_invoke();
+    inv.key(Keys::incarnation(on.prefix))
+        .arg(on.prefix)
+        .arg(on.token)
+        .arg(lease.epoch)
+        .arg(agent)
+        .arg(&lease.id)
+        .arg(lease.tokens)
+        .arg(lease.window_start)
+        .arg(lease.life_ms)
+        .arg(lease.nb_ms)
+        .arg(lease.life_ms.max(0) + lease.nb_ms + COUNTER_TTL_MS)
+        .arg(lease.alloc_now_ms);
+    let r: Reply = store.eval(&inv).await?;
+    Ok(read_credit(&r))
+}
+
+/// `{'ok'} | {'dup'} | {'expired'} | {'stale', fence} | {'lost', token}`.
+fn read_credit(r: &Reply) -> Outcome<Credit> {
+    let value = match r.str(0).as_str() {
+        "ok" => Credit::Credited,
+        "dup" => Credit::Replayed,
+        "expired" => Credit::Expired,
+        "stale" => Credit::Stale,
+        // `lost`, or anything else: the state is not the one the lease was
+        // meant for; stranding it is the safe side.
+        _ => return Outcome::Lost(Lost { token: r.str(1), cause: LossCause::Moved }),
+    };
+    Outcome::Ran { token: String::new(), value }
+}
+
+/// The cut script: moves the quota's unreported counts into one report
+/// entry (id `report_id`) of `agent`'s outbox, unless it holds
+/// `max_entries`. Returns the number of items cut.
+#[tracing::instrument(level = "debug", skip_all, fields(prefix = prefix))]
+pub async fn cut(
+    store: &Store,
+    prefix: &str,
+    agent: &str,
+    report_id: &str,
+    max_entries: i64,
+) -> Result<i64, StoreError> {
+    let mut inv = CUT.prepare_invoke();
+    inv.key(Keys::incarnation(prefix)).arg(prefix).arg(agent).arg(report_id).arg(max_entries);
+    store.eval(&inv).await
+}
+
+/// The fence script: raises `agent`'s epoch fence in the quota to `epoch`.
+/// Returns the fence in force.
+#[tracing::instrument(level = "debug", skip_all, fields(prefix = prefix, epoch = epoch))]
+pub async fn fence(store: &Store, prefix: &str, agent: &str, epoch: i64) -> Result<i64, StoreError> {
+    let mut inv = FENCE.prepare_invoke();
+    inv.key(Keys::incarnation(prefix)).arg(prefix).arg(agent).arg(epoch);
+    store.eval(&inv).await
+}
+
+/// The unlock script: releases the quota's renew lock if `holder` still
+/// holds it. Returns whether it did.
+#[tracing::instrument(level = "debug", skip_all, fields(prefix = prefix))]
+pub async fn unlock(store: &Store, prefix: &str, holder: &str) -> Result<bool, StoreError> {
+    let mut inv = UNLOCK.prepare_invoke();
+    inv.key(Keys::renew_lock(prefix)).arg(holder);
+    Ok(store.eval::<i64>(&inv).await? == 1)
+}
+
+/// A script's array answer, read field by field.
+struct Reply(Vec<Value>);
+
+impl FromRedisValue for Reply {
+    fn from_redis_value(v: Value) -> Result<Self, redis::ParsingError> {
+        match v {
+            Value::Array(items) => Ok(Reply(items)),
+            other => Ok(Reply(vec![other])),
+        }
+    }
+}
+
+impl Reply {
+    /// Field `i` as text (`""` when absent or nil).
+    fn str(&self, i: usize) -> String {
+        match self.0.get(i) {
+            Some(Value::BulkString(b)) => String::from_utf8_lossy(b).into_owned(),
+            Some(Value::SimpleString(s)) => s.clone(),
+            Some(Value::Int(n)) => n.to_string(),
+            Some(Value::Okay) => "OK".into(),
+            _ => String::new(),
+        }
+    }
+
+    /// Field `i`, itself an array (empty when absent or not an array).
+    fn nested(&self, i: usize) -> Reply {
+        match self.0.get(i) {
+            Some(Value::Array(items)) => Reply(items.clone()),
+            _ => Reply(Vec::new()),
+        }
+    }
+
+    /// Field `i` as an integer (0 when absent or not a number).
+    fn int(&self, i: usize) -> i64 {
+        match self.0.get(i) {
+            Some(Value::Int(n)) => *n,
+            Some(Value::BulkString(b)) => {
+                std::str::from_utf8(b).ok().and_then(|s| s.parse().ok()).unwrap_or(0)
+            }
+            _ => 0,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bulk(s: &str) -> Value {
+        Value::BulkString(s.as_bytes().to_vec())
+    }
+
+    fn reply(items: Vec<Value>) -> Reply {
+        Reply(items)
+    }
+
+    #[test]
+    fn spend_invocation_sends_one_key_ten_arguments_then_three_per_ask() {
+        let common = Common { fallback: true, window_secs: 60, allowance: 7, rid_ttl_ms: 1234 };
+        let asks = [
+            Ask { cost: 3, rid: "3:r-1".into(), count_demand: true },
+            Ask { cost: 1, rid: String::new(), count_demand: false },
+        ];
+        let on = On { prefix: "q:{1:a/1:b}:", token: "tok" };
+        let inv = spend_invocation(on, Caller { agent: "eu-1", epoch: 9 }, common, &asks);
+        // KEYS[1] is the incarnation key; ten ARGV, then three per ask
+        // (the arguments themselves are not shown by the redis crate).
+        let shown = format!("{inv:?}");
+        assert!(shown.contains("args: 16") && shown.contains("keys: 1"), "{shown}");
+    }
+
+    #[test]
+    fn spend_replies_are_read_per_request() {
+        let ok = reply(vec![
+            bulk("ok"),
+            bulk("tok"),
+            Value::Array(vec![bulk("lease"), Value::Int(60), Value::Int(4)]),
+            Value::Array(vec![bulk("dup"), bulk("fallback:120:2")]),
+            Value::Array(vec![bulk("none"), Value::Int(-1), Value::Int(700), Value::Int(0)]),
+        ]);
+        let got = read_spend(&ok, 3).unwrap();
+        let want = vec![
+            Spend::Admit(Admit { source: "lease".into(), window_start: 60, remaining: 4 }),
+            Spend::Admit(Admit { source: "fallback".into(), window_start: 120, remaining: 2 }),
+            Spend::None { wait_ms: -1, exhausted_ms: 700 },
+        ];
+        assert_eq!(got, Outcome::Ran { token: "tok".into(), value: want });
+        // Fewer decisions than requests is a protocol error, not a refusal.
+        assert!(matches!(read_spend(&ok, 4), Err(StoreError::Protocol(_))));
+    }
+
+    #[test]
+    fn loss_flags_map_to_one_cause_each() {
+        for (flag, cause) in [(1, LossCause::Installed), (2, LossCause::Lost), (3, LossCause::RolledBack)] {
+            let lost = reply(vec![bulk("lost"), bulk("new"), Value::Int(flag)]);
+            assert_eq!(
+                read_spend(&lost, 2).unwrap(),
+                Outcome::Lost(Lost { token: "new".into(), cause }),
+                "spend flag {flag}"
+            );
+            assert_eq!(
+                read_view(&lost, Instant::now()),
+                Outcome::Lost(Lost { token: "new".into(), cause }),
+                "view flag {flag}"
+            );
+        }
+        let moved = reply(vec![bulk("lost"), bulk("other")]);
+        assert_eq!(
+            read_credit(&moved),
+            Outcome::Lost(Lost { token: "other".into(), cause: LossCause::Moved })
+        );
+    }
+
+    #[test]
+    fn view_and_credit_replies_are_read_by_position() {
+        let at = Instant::now();
+        let r = reply(
+            [bulk("ok"), bulk("tok")]
+                .into_iter()
+                .chain([60, 10, 900, 5, -1, 77, -2, 8].map(Value::Int))
+                .collect(),
+        );
+        let want = View {
+            ws: 60,
+            available: 10,
+            lasting: 8,
+            life_ms: 900,
+            pending: 5,
+            exhausted_ms: -2,
+            at: Some(at),
+        };
+        assert_eq!(read_view(&r, at), Outcome::Ran { token: "tok".into(), value: (want, 77) });
+        for (code, credit) in [
+            ("ok", Credit::Credited),
+            ("dup", Credit::Replayed),
+            ("expired", Credit::Expired),
+            ("stale", Credit::Stale),
+        ] {
+            assert_eq!(
+                read_credit(&reply(vec![bulk(code)])),
+                Outcome::Ran { token: String::new(), value: credit }
+            );
+        }
+    }
+}
