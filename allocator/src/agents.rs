@@ -32,6 +32,7 @@ pub fn router() -> Router<AppState> {
     security(("agent_token" = [])),
     tag = "agents"
 )]
+#[tracing::instrument(name = "register", skip_all, fields(region = %req.region, agent = %req.agent))]
 pub(crate) async fn register(
     State(state): State<AppState>,
     scope: AgentScope,
@@ -75,6 +76,7 @@ pub(crate) async fn register(
 ///
 /// A lower epoch is `409 stale_epoch` (also an epoch of a deleted agent
 /// row, see [`crate::retention`]); an epoch never issued is a 422.
+#[tracing::instrument(level = "debug", skip_all, fields(region = %region, agent = %agent, epoch = epoch))]
 pub async fn fence(conn: &mut PgConnection, region: &str, agent: &str, epoch: i64) -> Result<()> {
     let current = sqlx::query_file_scalar!("src/sql/agent_epoch_lock.sql", region, agent)
         .fetch_optional(&mut *conn)
@@ -107,6 +109,7 @@ pub async fn fence(conn: &mut PgConnection, region: &str, agent: &str, epoch: i6
 /// Records a refusal of a fenced or region-bound request in the ledger (in
 /// its own transaction, stamped on the database's clock) when the error is
 /// one the ledger tracks.
+#[tracing::instrument(level = "debug", skip_all, fields(reason = err.code()))]
 pub async fn record_refusal(state: &AppState, err: &Error, event: NewEvent) -> Result<()> {
     if matches!(err, Error::StaleEpoch { .. } | Error::IdempotencyMismatch(_) | Error::WrongRegion { .. }) {
         // The region the credential was bound to, next to the one asked for.

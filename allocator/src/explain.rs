@@ -228,6 +228,7 @@ struct PoolRow {
     security(("admin_token" = [])),
     tag = "operator"
 )]
+#[tracing::instrument(name = "explain", skip_all, fields(tenant = %tenant, resource = %resource))]
 pub(crate) async fn explain(
     State(state): State<AppState>,
     ApiPath((tenant, resource)): ApiPath<(String, String)>,

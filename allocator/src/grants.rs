@@ -24,6 +24,7 @@ use quota_shared::window::Window;
 use quota_shared::wire::{ErrorBody, GrantRequest, GrantResponse, WindowSel};
 use sqlx::PgConnection;
 use std::time::Instant;
+use tracing::Span;
 use uuid::Uuid;
 
 /// Routes of this module.
@@ -151,7 +152,12 @@ fn same_body(row: &LeaseRow, req: &GrantRequest) -> bool {
         && row.window_sel == req.window.unwrap_or_default().as_str()
 }
 
-/// The grant transaction, with the database instant it decided at.
+/// The grant transaction, with the database instant it decided at. Its
+/// span carries the lease id once the lease is written (or replayed).
+#[tracing::instrument(name = "grant", skip_all, fields(
+    tenant = %req.tenant, resource = %req.resource, region = %req.region, agent = %req.agent,
+    epoch = req.epoch, seq = req.seq, lease_id = tracing::field::Empty,
+))]
 async fn try_grant(state: &AppState, req: &GrantRequest) -> Result<(Outcome, DateTime<Utc>)> {
     let mut tx = state.db.begin().await?;
     agents::fence(&mut tx, &req.region, &req.agent, req.epoch).await?;
@@ -164,6 +170,7 @@ async fn try_grant(state: &AppState, req: &GrantRequest) -> Result<(Outcome, Dat
             .fetch_optional(&mut *tx)
             .await?;
     if let Some(row) = existing {
+        Span::current().record("lease_id", tracing::field::display(row.lease_id));
         if !same_body(&row, req) {
             return Err(Error::IdempotencyMismatch(format!(
                 "grant key (region {}, agent {}, epoch {}, seq {}) was used for lease {} with a different body",
@@ -193,14 +200,16 @@ async fn try_grant(state: &AppState, req: &GrantRequest) -> Result<(Outcome, Dat
     };
     // The `granted` ledger event is appended by the lease insert itself.
     let row = grant_in_window(&mut tx, req, &policy, window, now).await?;
+    Span::current().record("lease_id", tracing::field::display(row.lease_id));
     tx.commit().await?;
-    tracing::debug!(tenant = %req.tenant, resource = %req.resource, region = %req.region,
-        lease_id = %row.lease_id, epoch = req.epoch, tokens = row.tokens, "lease granted");
+    // Tenant, resource, region, epoch and lease id are the span's.
+    tracing::debug!(tokens = row.tokens, window_start = window.start, "lease granted");
     Ok((Outcome::Granted(row), now))
 }
 
 /// The pool part of the transaction: lock, share, then insert the lease,
 /// debit the pool and append the ledger event in one statement.
+#[tracing::instrument(level = "debug", skip_all, fields(window_start = window.start, window_secs = window.secs))]
 async fn grant_in_window(
     conn: &mut PgConnection,
     req: &GrantRequest,
@@ -267,32 +276,33 @@ async fn grant_in_window(
     let expires_at = (life_from + Duration::seconds(policy.lease_ttl_secs)).min(window.end_at());
     let retry_after_ms = (tokens == 0).then(|| window.ms_until_end(now).clamp(1, MAX_RETRY_AFTER_MS));
     let pool_granted = granted + tokens;
+    let pool_available = (policy.limit_tokens - (pool_granted - returned)).max(0);
     // The binds in the order of lease_insert.sql's column list.
     let row = sqlx::query_file_as!(
         LeaseRow,
         "src/sql/lease_insert.sql",
-        Uuid::new_v4(),                                           // $1 lease_id
-        req.tenant,                                               // $2 tenant
-        req.resource,                                             // $3 resource
-        req.region,                                               // $4 region
-        req.agent,                                                // $5 agent
-        req.epoch,                                                // $6 epoch
-        req.seq,                                                  // $7 seq
-        window.start,                                             // $8 window_start
-        window.secs,                                              // $9 window_secs
-        req.want,                                                 // $10 want
-        req.demand_per_sec,                                       // $11 demand_per_sec
-        req.window.unwrap_or_default().as_str(),                  // $12 window_sel
-        tokens,                                                   // $13 tokens
-        now,                                                      // $14 issued_at
-        expires_at,                                               // $15 expires_at
-        policy.version,                                           // $16 policy_version
-        policy.fallback_allowance(),                              // $17 fallback_allowance
-        policy.fail_mode,                                         // $18 fail_mode
-        policy.limit_tokens,                                      // $19 pool_limit
-        pool_granted,                                             // $20 pool_granted
-        (policy.limit_tokens - (pool_granted - returned)).max(0), // $21 pool_available
-        retry_after_ms                                            // $22 retry_after_ms
+        Uuid::new_v4(),                          // $1 lease_id
+        req.tenant,                              // $2 tenant
+        req.resource,                            // $3 resource
+        req.region,                              // $4 region
+        req.agent,                               // $5 agent
+        req.epoch,                               // $6 epoch
+        req.seq,                                 // $7 seq
+        window.start,                            // $8 window_start
+        window.secs,                             // $9 window_secs
+        req.want,                                // $10 want
+        req.demand_per_sec,                      // $11 demand_per_sec
+        req.window.unwrap_or_default().as_str(), // $12 window_sel
+        tokens,                                  // $13 tokens
+        now,                                     // $14 issued_at
+        expires_at,                              // $15 expires_at
+        policy.version,                          // $16 policy_version
+        policy.fallback_allowance(),             // $17 fallback_allowance
+        policy.fail_mode,                        // $18 fail_mode
+        policy.limit_tokens,                     // $19 pool_limit
+        pool_granted,                            // $20 pool_granted
+        pool_available,                          // $21 pool_available
+        retry_after_ms                           // $22 retry_after_ms
     )
     .fetch_one(&mut *conn)
     .await

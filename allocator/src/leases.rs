@@ -173,6 +173,9 @@ pub(crate) async fn release(
 
 /// The release transaction; on refusal also hands back the lease for the
 /// ledger entry.
+#[tracing::instrument(name = "release", skip_all, fields(
+    lease_id = %lease_id, region = tracing::field::Empty, agent = tracing::field::Empty, epoch = req.epoch,
+))]
 async fn try_release(
     state: &AppState,
     scope: &AgentScope,
@@ -185,6 +188,9 @@ async fn try_release(
         .await
         .map_err(|e| (e.into(), None))?
         .ok_or_else(|| (Error::UnknownLease(lease_id.to_string()), None))?;
+    let span = tracing::Span::current();
+    span.record("region", row.region.as_str());
+    span.record("agent", row.agent.as_str());
     let fail = |e: Error| (e, Some(row.clone()));
     // The path names only the lease; the region it acts for is the lease's.
     scope.check(&row.region).map_err(fail)?;

@@ -71,6 +71,7 @@ pub struct NewEvent {
 
 /// Appends one event inside the caller's transaction, so an event exists if
 /// and only if the change it describes committed.
+#[tracing::instrument(level = "debug", skip_all, fields(kind = kind.as_str()))]
 pub async fn append(conn: &mut PgConnection, at: DateTime<Utc>, kind: Kind, e: NewEvent) -> Result<()> {
     sqlx::query_file!(
         "src/sql/ledger_append.sql",
@@ -229,6 +230,7 @@ pub struct Horizon {
 /// Takes the ledger's horizon now (see `sql/ledger_horizon.sql`). Three
 /// statements in order, each with its own snapshot: the tick, the horizon,
 /// and later the page query.
+#[tracing::instrument(level = "debug", skip_all)]
 pub async fn horizon(db: &PgPool, clock: &crate::time::DbClock) -> Result<Horizon> {
     let mut conn = db.acquire().await?;
     // On the database's clock, like every event's `at` (I8).
@@ -251,6 +253,7 @@ pub async fn horizon(db: &PgPool, clock: &crate::time::DbClock) -> Result<Horizo
     Ok(Horizon { position: row.horizon, as_of })
 }
 
+#[tracing::instrument(level = "debug", skip_all, fields(limit = limit))]
 async fn page(db: &PgPool, f: &Filter, after: Cursor, limit: i64, horizon: &Horizon) -> Result<Vec<Event>> {
     Ok(sqlx::query_file_as!(
         Event,
@@ -362,6 +365,7 @@ fn export(db: PgPool, filter: Filter, start: Cursor, horizon: Horizon) -> Respon
 }
 
 /// The latest refusals of `region` for a quota up to `at`, newest first.
+#[tracing::instrument(level = "debug", skip_all, fields(tenant = %tenant, resource = %resource, region = %region, limit = limit))]
 pub async fn refusals(
     conn: &mut PgConnection,
     tenant: &str,
@@ -376,6 +380,7 @@ pub async fn refusals(
 }
 
 /// Events that mention one lease, oldest first.
+#[tracing::instrument(level = "debug", skip_all, fields(%lease_id))]
 pub async fn for_lease(db: &PgPool, lease_id: Uuid) -> Result<Vec<Event>> {
     Ok(sqlx::query_file_as!(Event, "src/sql/ledger_for_lease.sql", lease_id).fetch_all(db).await?)
 }

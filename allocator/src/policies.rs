@@ -175,6 +175,7 @@ pub fn resolve(spec: &PolicySpec) -> Result<Resolved> {
 }
 
 /// Loads the policy of a quota, if any.
+#[tracing::instrument(level = "debug", skip_all, fields(tenant = %tenant, resource = %resource))]
 pub async fn load(conn: &mut PgConnection, tenant: &str, resource: &str) -> Result<Option<PolicyRow>> {
     Ok(sqlx::query_file_as!(PolicyRow, "src/sql/policy_get.sql", tenant, resource)
         .fetch_optional(conn)
@@ -187,6 +188,7 @@ pub async fn require(conn: &mut PgConnection, tenant: &str, resource: &str) -> R
 }
 
 /// The policy version in force at `at` (the latest written at or before it).
+#[tracing::instrument(level = "debug", skip_all, fields(tenant = %tenant, resource = %resource, %at))]
 pub async fn at(db: &PgPool, tenant: &str, resource: &str, at: DateTime<Utc>) -> Result<Option<PolicyRow>> {
     Ok(sqlx::query_file_as!(PolicyRow, "src/sql/policy_version_at.sql", tenant, resource, at)
         .fetch_optional(db)
@@ -194,6 +196,7 @@ pub async fn at(db: &PgPool, tenant: &str, resource: &str, at: DateTime<Utc>) ->
 }
 
 /// Every quota's policy, by tenant and resource, at most `limit`.
+#[tracing::instrument(level = "debug", skip_all)]
 pub async fn list_all(db: &PgPool, limit: i64) -> Result<Vec<PolicyRow>> {
     Ok(sqlx::query_file_as!(PolicyRow, "src/sql/policy_list.sql", limit).fetch_all(db).await?)
 }
@@ -270,6 +273,7 @@ pub(crate) async fn get_policy(
     security(("admin_token" = [])),
     tag = "policies"
 )]
+#[tracing::instrument(name = "put_policy", skip_all, fields(tenant = %tenant, resource = %resource, version = tracing::field::Empty))]
 pub(crate) async fn put_policy(
     State(state): State<AppState>,
     Extension(who): Extension<Principal>,
@@ -306,6 +310,7 @@ pub(crate) async fn put_policy(
         }
     }
     let version = current.unwrap_or(0) + 1;
+    tracing::Span::current().record("version", version);
     let row = sqlx::query_file_as!(
         PolicyRow,
         "src/sql/policy_upsert.sql",

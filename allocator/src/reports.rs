@@ -151,6 +151,10 @@ pub(crate) async fn report(
     }
 }
 
+#[tracing::instrument(name = "report", skip_all, fields(
+    report_id = %req.report_id, region = %req.region, agent = %req.agent, epoch = req.epoch,
+    items = req.items.len(),
+))]
 async fn apply(state: &AppState, req: &ReportRequest) -> Result<i64> {
     let body = serde_json::to_value(req).map_err(|e| Error::Internal(Box::new(e)))?;
     let mut tx = state.db.begin().await?;
@@ -212,6 +216,9 @@ async fn apply(state: &AppState, req: &ReportRequest) -> Result<i64> {
 }
 
 /// Applies item `i` inside the report's transaction.
+#[tracing::instrument(level = "debug", skip_all, fields(
+    item = i, tenant = %item.tenant, resource = %item.resource, window_start = %item.window_start,
+))]
 async fn apply_item(
     tx: &mut PgConnection,
     req: &ReportRequest,
@@ -277,6 +284,7 @@ async fn apply_item(
 /// The window length of the pool a report item belongs to: the pool that
 /// already exists at that start (it may predate a change of `window_secs`),
 /// otherwise the policy's current length.
+#[tracing::instrument(level = "debug", skip_all, fields(tenant = %tenant, resource = %resource, start = start))]
 async fn pool_window_secs(
     conn: &mut PgConnection,
     tenant: &str,

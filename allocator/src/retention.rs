@@ -90,8 +90,22 @@ enum Step<'a> {
     Agents { region: &'a str },
 }
 
+impl Step<'_> {
+    /// The step's name in its span.
+    fn name(&self) -> &'static str {
+        match self {
+            Step::LedgerEvents => "ledger_events",
+            Step::Leases => "leases",
+            Step::Reports => "reports",
+            Step::Pools => "pools",
+            Step::Agents { .. } => "agents",
+        }
+    }
+}
+
 /// Deletes one batch of `step`'s rows older than `cutoff` (pools: whose
 /// window ended before `cutoff`); answers how many went.
+#[tracing::instrument(level = "debug", skip_all, fields(step = step.name(), batch = batch))]
 async fn one_batch(db: &PgPool, step: Step<'_>, cutoff: DateTime<Utc>, batch: i64) -> Result<u64> {
     Ok(match step {
         Step::LedgerEvents => sqlx::query_file!("src/sql/retention_ledger.sql", cutoff, batch)
@@ -137,6 +151,7 @@ async fn batches(db: &PgPool, step: Step<'_>, cutoff: DateTime<Utc>, cfg: &Reten
 /// Deletes what is older than `now − horizon` (and pools older than
 /// `now − window_horizon`), `batch` rows per statement. Agents go last:
 /// whether one is gone depends on its leases and reports being deleted.
+#[tracing::instrument(name = "retention", skip_all, fields(%now))]
 pub async fn purge(db: &PgPool, now: DateTime<Utc>, cfg: &Retention) -> Result<Purged> {
     let cutoff = now - cfg.horizon;
     let mut purged = Purged {

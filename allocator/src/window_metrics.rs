@@ -53,6 +53,7 @@ pub fn describe(r: &Registry) {
 type Series = Vec<(Vec<(&'static str, String)>, f64)>;
 
 /// Recomputes every family (called by `GET /metrics`).
+#[tracing::instrument(level = "debug", skip_all)]
 pub async fn refresh(state: &AppState) -> Result<()> {
     let mut out: [Series; 6] = Default::default();
     if state.window_metrics_quotas > 0 {

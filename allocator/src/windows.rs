@@ -145,6 +145,7 @@ pub(crate) async fn list(
 
 /// The accounting of the first `limit` windows starting in `[from, to)`,
 /// and the start of the next one when there are more.
+#[tracing::instrument(level = "debug", skip_all, fields(tenant = %tenant, resource = %resource, %from, %to, limit = limit))]
 pub async fn accounts(
     conn: &mut PgConnection,
     tenant: &str,
