@@ -13,6 +13,7 @@ pub mod agent_tokens;
 pub mod auth;
 pub mod extract;
 pub mod metrics;
+pub mod secret;
 pub mod trace;
 
 use crate::{
