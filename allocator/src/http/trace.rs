@@ -22,7 +22,8 @@ pub type Layer = TraceLayer<
     (),
 >;
 
-/// The layer: [`request_span`], then the status recorded on the response.
+/// The layer: a span per request (`http`: method, route, status), the
+/// status recorded when the answer leaves.
 /// No events of its own beyond a debug line per answer: errors are logged
 /// where they are mapped to HTTP (`crate::error`), once.
 pub fn layer() -> Layer {
@@ -35,7 +36,7 @@ pub fn layer() -> Layer {
         .on_failure(())
 }
 
-/// The span of one request; `status` is recorded by [`on_response`].
+/// The span of one request; `status` is recorded by `on_response`.
 fn request_span(req: &Request) -> Span {
     let route = req.extensions().get::<MatchedPath>().map_or("unmatched", MatchedPath::as_str);
     tracing::info_span!("http", method = %req.method(), route, status = tracing::field::Empty)
