@@ -231,3 +231,62 @@ impl IntoResponse for Error {
         resp
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A database error naming a constraint, as PostgreSQL reports a
+    /// unique violation.
+    #[derive(Debug)]
+    struct Violation(Option<&'static str>);
+
+    impl std::fmt::Display for Violation {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            write!(f, "violates {:?}", self.0)
+        }
+    }
+
+    impl std::error::Error for Violation {}
+
+    impl sqlx::error::DatabaseError for Violation {
+        fn message(&self) -> &str {
+            "duplicate key value violates unique constraint"
+        }
+        fn as_error(&self) -> &(dyn std::error::Error + Send + Sync + 'static) {
+            self
+        }
+        fn as_error_mut(&mut self) -> &mut (dyn std::error::Error + Send + Sync + 'static) {
+            self
+        }
+        fn into_error(self: Box<Self>) -> Box<dyn std::error::Error + Send + Sync + 'static> {
+            self
+        }
+        fn constraint(&self) -> Option<&str> {
+            self.0
+        }
+        fn kind(&self) -> sqlx::error::ErrorKind {
+            sqlx::error::ErrorKind::UniqueViolation
+        }
+    }
+
+    fn violation(constraint: Option<&'static str>) -> sqlx::Error {
+        sqlx::Error::Database(Box::new(Violation(constraint)))
+    }
+
+    #[test]
+    fn on_constraint_maps_only_the_named_constraint() {
+        let map = || on_constraint("lease_idempotency_key", Error::KeyTaken);
+        assert!(matches!(map()(violation(Some("lease_idempotency_key"))), Error::KeyTaken(_)));
+        assert!(matches!(map()(violation(Some("lease_clamped_to_window"))), Error::Internal(_)));
+        assert!(matches!(map()(violation(None)), Error::Internal(_)));
+        assert!(matches!(map()(sqlx::Error::PoolTimedOut), Error::DatabaseUnavailable(_)));
+    }
+
+    #[test]
+    fn a_raced_key_still_answers_as_internal() {
+        let e =
+            on_constraint("lease_idempotency_key", Error::KeyTaken)(violation(Some("lease_idempotency_key")));
+        assert_eq!((e.status_code(), e.code()), (StatusCode::INTERNAL_SERVER_ERROR, "internal"));
+    }
+}
