@@ -27,8 +27,8 @@ pub fn admin_router() -> Router<AppState> {
     Router::new().route("/v1/leases/{lease_id}", get(get_lease))
 }
 
-/// A lease row.
-#[derive(Debug, Clone, sqlx::FromRow)]
+/// A lease row (the columns of `sql/lease_*.sql` and `sql/explain_leases.sql`).
+#[derive(Debug, Clone)]
 pub struct LeaseRow {
     pub lease_id: Uuid,
     pub tenant: String,
