@@ -32,6 +32,7 @@ pub fn router() -> Router<AppState> {
     security(("agent_token" = [])),
     tag = "agents"
 )]
+#[tracing::instrument(name = "register", skip_all, fields(region = %req.region, agent = %req.agent))]
 pub(crate) async fn register(
     State(state): State<AppState>,
     scope: AgentScope,
@@ -47,12 +48,9 @@ pub(crate) async fn register(
     let mut tx = state.db.begin().await?;
     // After any deletion of this region's gone agents has committed, so the
     // epoch floor read below is current (see retention).
-    sqlx::query(include_str!("sql/agent_region_lock.sql")).bind(&req.region).execute(&mut *tx).await?;
+    sqlx::query_file!("src/sql/agent_region_lock.sql", req.region).execute(&mut *tx).await?;
     let now = state.db_clock.now(&mut tx).await?;
-    let epoch: i64 = sqlx::query_scalar(include_str!("sql/agent_register.sql"))
-        .bind(&req.region)
-        .bind(&req.agent)
-        .bind(now)
+    let epoch = sqlx::query_file_scalar!("src/sql/agent_register.sql", req.region, req.agent, now)
         .fetch_one(&mut *tx)
         .await?;
     ledger::append(
@@ -78,10 +76,9 @@ pub(crate) async fn register(
 ///
 /// A lower epoch is `409 stale_epoch` (also an epoch of a deleted agent
 /// row, see [`crate::retention`]); an epoch never issued is a 422.
+#[tracing::instrument(level = "debug", skip_all, fields(region = %region, agent = %agent, epoch = epoch))]
 pub async fn fence(conn: &mut PgConnection, region: &str, agent: &str, epoch: i64) -> Result<()> {
-    let current: Option<i64> = sqlx::query_scalar(include_str!("sql/agent_epoch_lock.sql"))
-        .bind(region)
-        .bind(agent)
+    let current = sqlx::query_file_scalar!("src/sql/agent_epoch_lock.sql", region, agent)
         .fetch_optional(&mut *conn)
         .await?;
     let current = match current {
@@ -90,8 +87,7 @@ pub async fn fence(conn: &mut PgConnection, region: &str, agent: &str, epoch: i6
         // the horizon) still holds an epoch at or below its region's floor:
         // that incarnation is over, and answering stale_epoch (not 404)
         // tells the agent to register again, which gives it a higher epoch.
-        None => sqlx::query_scalar::<_, i64>(include_str!("sql/agent_epoch_floor.sql"))
-            .bind(region)
+        None => sqlx::query_file_scalar!("src/sql/agent_epoch_floor.sql", region)
             .fetch_optional(&mut *conn)
             .await?
             .filter(|floor| epoch <= *floor)
@@ -113,6 +109,7 @@ pub async fn fence(conn: &mut PgConnection, region: &str, agent: &str, epoch: i6
 /// Records a refusal of a fenced or region-bound request in the ledger (in
 /// its own transaction, stamped on the database's clock) when the error is
 /// one the ledger tracks.
+#[tracing::instrument(level = "debug", skip_all, fields(reason = err.code()))]
 pub async fn record_refusal(state: &AppState, err: &Error, event: NewEvent) -> Result<()> {
     if matches!(err, Error::StaleEpoch { .. } | Error::IdempotencyMismatch(_) | Error::WrongRegion { .. }) {
         // The region the credential was bound to, next to the one asked for.

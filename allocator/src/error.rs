@@ -72,6 +72,12 @@ pub enum Error {
     /// PostgreSQL cannot be reached (or timed out).
     #[error("database unavailable")]
     DatabaseUnavailable(#[source] sqlx::Error),
+    /// I3: a concurrent grant inserted a lease under the same idempotency key
+    /// (`lease_idempotency_key`) after this one looked the key up. The grant
+    /// retries once and then reads the winner's lease; if it still surfaces,
+    /// it is answered as internal.
+    #[error("internal error")]
+    KeyTaken(#[source] sqlx::Error),
     /// Anything else; logged, never detailed to the client.
     #[error("internal error")]
     Internal(#[source] Box<dyn std::error::Error + Send + Sync>),
@@ -82,7 +88,10 @@ impl Error {
     pub fn in_item(self, item: usize) -> Self {
         match self {
             // Already attributed, or not the item's fault (logged as is).
-            e @ (Error::InItem { .. } | Error::Internal(_) | Error::DatabaseUnavailable(_)) => e,
+            e @ (Error::InItem { .. }
+            | Error::Internal(_)
+            | Error::KeyTaken(_)
+            | Error::DatabaseUnavailable(_)) => e,
             e => Error::InItem { item, source: Box::new(e) },
         }
     }
@@ -108,7 +117,7 @@ impl Error {
             Error::VersionMismatch { .. } => StatusCode::PRECONDITION_FAILED,
             Error::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Error::DatabaseUnavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
-            Error::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            Error::KeyTaken(_) | Error::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
 
@@ -131,7 +140,7 @@ impl Error {
             Error::VersionMismatch { .. } => "version_mismatch",
             Error::PayloadTooLarge => "payload_too_large",
             Error::DatabaseUnavailable(_) => "database_unavailable",
-            Error::Internal(_) => "internal",
+            Error::KeyTaken(_) | Error::Internal(_) => "internal",
         }
     }
 }
@@ -150,6 +159,19 @@ impl From<sqlx::Error> for Error {
             }
             _ => Error::Internal(Box::new(e)),
         }
+    }
+}
+
+/// Maps a violation of the named constraint to `to` at the statement that
+/// can violate it (`.map_err(on_constraint("lease_idempotency_key", Error::KeyTaken))`);
+/// every other error converts as usual.
+pub fn on_constraint(
+    name: &'static str,
+    to: impl FnOnce(sqlx::Error) -> Error,
+) -> impl FnOnce(sqlx::Error) -> Error {
+    move |e| match &e {
+        sqlx::Error::Database(dbe) if dbe.constraint() == Some(name) => to(e),
+        _ => e.into(),
     }
 }
 
@@ -174,6 +196,10 @@ impl IntoResponse for Error {
         let message = match &self {
             Error::DatabaseUnavailable(e) => {
                 tracing::warn!(error = %e, "database unavailable");
+                self.to_string()
+            }
+            Error::KeyTaken(e) => {
+                tracing::error!(error = %e, "internal error");
                 self.to_string()
             }
             Error::Internal(e) => {
@@ -203,5 +229,64 @@ impl IntoResponse for Error {
             resp.headers_mut().insert("retry-after", axum::http::HeaderValue::from_static("1"));
         }
         resp
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A database error naming a constraint, as PostgreSQL reports a
+    /// unique violation.
+    #[derive(Debug)]
+    struct Violation(Option<&'static str>);
+
+    impl std::fmt::Display for Violation {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            write!(f, "violates {:?}", self.0)
+        }
+    }
+
+    impl std::error::Error for Violation {}
+
+    impl sqlx::error::DatabaseError for Violation {
+        fn message(&self) -> &str {
+            "duplicate key value violates unique constraint"
+        }
+        fn as_error(&self) -> &(dyn std::error::Error + Send + Sync + 'static) {
+            self
+        }
+        fn as_error_mut(&mut self) -> &mut (dyn std::error::Error + Send + Sync + 'static) {
+            self
+        }
+        fn into_error(self: Box<Self>) -> Box<dyn std::error::Error + Send + Sync + 'static> {
+            self
+        }
+        fn constraint(&self) -> Option<&str> {
+            self.0
+        }
+        fn kind(&self) -> sqlx::error::ErrorKind {
+            sqlx::error::ErrorKind::UniqueViolation
+        }
+    }
+
+    fn violation(constraint: Option<&'static str>) -> sqlx::Error {
+        sqlx::Error::Database(Box::new(Violation(constraint)))
+    }
+
+    #[test]
+    fn on_constraint_maps_only_the_named_constraint() {
+        let map = || on_constraint("lease_idempotency_key", Error::KeyTaken);
+        assert!(matches!(map()(violation(Some("lease_idempotency_key"))), Error::KeyTaken(_)));
+        assert!(matches!(map()(violation(Some("lease_clamped_to_window"))), Error::Internal(_)));
+        assert!(matches!(map()(violation(None)), Error::Internal(_)));
+        assert!(matches!(map()(sqlx::Error::PoolTimedOut), Error::DatabaseUnavailable(_)));
+    }
+
+    #[test]
+    fn a_raced_key_still_answers_as_internal() {
+        let e =
+            on_constraint("lease_idempotency_key", Error::KeyTaken)(violation(Some("lease_idempotency_key")));
+        assert_eq!((e.status_code(), e.code()), (StatusCode::INTERNAL_SERVER_ERROR, "internal"));
     }
 }

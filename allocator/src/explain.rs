@@ -174,7 +174,6 @@ pub struct Explanation {
 }
 
 /// The pool and the region rebuilt as of `at` (`sql/explain_pool_at.sql`).
-#[derive(sqlx::FromRow)]
 struct PoolAtRow {
     created_at: DateTime<Utc>,
     stored_granted: i64,
@@ -193,7 +192,6 @@ struct PoolAtRow {
 }
 
 /// The region's reports of the window (`sql/explain_reports_at.sql`).
-#[derive(sqlx::FromRow)]
 struct ReportsAtRow {
     consumed: i64,
     fallback_admitted: i64,
@@ -202,7 +200,6 @@ struct ReportsAtRow {
 }
 
 /// The pool and the region as stored now (`sql/explain_pool.sql`).
-#[derive(sqlx::FromRow)]
 struct PoolRow {
     limit_tokens: i64,
     fallback_per_region: i64,
@@ -231,6 +228,7 @@ struct PoolRow {
     security(("admin_token" = [])),
     tag = "operator"
 )]
+#[tracing::instrument(name = "explain", skip_all, fields(tenant = %tenant, resource = %resource))]
 pub(crate) async fn explain(
     State(state): State<AppState>,
     ApiPath((tenant, resource)): ApiPath<(String, String)>,
@@ -260,43 +258,55 @@ pub(crate) async fn explain(
     // One snapshot for every read below: the rebuilt parts are checked
     // against the stored totals, which must not move in between.
     let mut tx = state.db.begin().await?;
-    sqlx::query(include_str!("sql/read_snapshot.sql")).execute(&mut *tx).await?;
-    let pool: Option<PoolRow> = sqlx::query_as(include_str!("sql/explain_pool.sql"))
-        .bind(&tenant)
-        .bind(&resource)
-        .bind(window.start)
-        .bind(window.secs)
-        .bind(&region)
-        .fetch_optional(&mut *tx)
-        .await?;
-    let pool_at: Option<PoolAtRow> = sqlx::query_as(include_str!("sql/explain_pool_at.sql"))
-        .bind(&tenant)
-        .bind(&resource)
-        .bind(window.start)
-        .bind(window.secs)
-        .bind(at)
-        .bind(&region)
-        .fetch_optional(&mut *tx)
-        .await?;
-    let reports_at: ReportsAtRow = sqlx::query_as(include_str!("sql/explain_reports_at.sql"))
-        .bind(&tenant)
-        .bind(&resource)
-        .bind(&region)
-        .bind(at)
-        .bind(Window { start: window.start - window.secs, secs: window.secs }.start_at())
-        .bind(window.start_at())
-        .fetch_one(&mut *tx)
-        .await?;
-    let rows: Vec<LeaseRow> = sqlx::query_as(include_str!("sql/explain_leases.sql"))
-        .bind(&tenant)
-        .bind(&resource)
-        .bind(window.start)
-        .bind(window.secs)
-        .bind(&region)
-        .bind(at)
-        .bind(MAX_LEASES)
-        .fetch_all(&mut *tx)
-        .await?;
+    sqlx::query_file!("src/sql/read_snapshot.sql").execute(&mut *tx).await?;
+    let pool = sqlx::query_file_as!(
+        PoolRow,
+        "src/sql/explain_pool.sql",
+        tenant,
+        resource,
+        window.start,
+        window.secs,
+        region
+    )
+    .fetch_optional(&mut *tx)
+    .await?;
+    let pool_at = sqlx::query_file_as!(
+        PoolAtRow,
+        "src/sql/explain_pool_at.sql",
+        tenant,
+        resource,
+        window.start,
+        window.secs,
+        at,
+        region
+    )
+    .fetch_optional(&mut *tx)
+    .await?;
+    let reports_at = sqlx::query_file_as!(
+        ReportsAtRow,
+        "src/sql/explain_reports_at.sql",
+        tenant,
+        resource,
+        region,
+        at,
+        Window { start: window.start - window.secs, secs: window.secs }.start_at(),
+        window.start_at()
+    )
+    .fetch_one(&mut *tx)
+    .await?;
+    let rows = sqlx::query_file_as!(
+        LeaseRow,
+        "src/sql/explain_leases.sql",
+        tenant,
+        resource,
+        window.start,
+        window.secs,
+        region,
+        at,
+        MAX_LEASES
+    )
+    .fetch_all(&mut *tx)
+    .await?;
     let refusals = ledger::refusals(&mut tx, &tenant, &resource, &region, at, MAX_REFUSALS).await?;
     tx.commit().await?;
 

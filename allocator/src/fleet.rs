@@ -37,7 +37,7 @@ pub fn router() -> Router<AppState> {
 }
 
 /// The latest status of one agent, as stored.
-#[derive(Debug, Clone, sqlx::FromRow)]
+#[derive(Debug, Clone)]
 pub struct AgentStatusRow {
     pub region: String,
     pub agent: String,
@@ -135,25 +135,27 @@ async fn store(state: &AppState, region: &str, agent: &str, req: &AgentStatusRep
     let mut tx = state.db.begin().await?;
     agents::fence(&mut tx, region, agent, req.epoch).await?;
     let now = state.db_clock.now(&mut tx).await?;
-    sqlx::query(include_str!("sql/agent_status_upsert.sql"))
-        .bind(region)
-        .bind(agent)
-        .bind(req.epoch)
-        .bind(req.allocator_reachable)
-        .bind(req.outbox_depth)
-        .bind(req.dead_letters)
-        .bind(req.quotas_total)
-        .bind(Json(&req.quotas))
-        .bind(now)
-        .execute(&mut *tx)
-        .await?;
+    sqlx::query_file!(
+        "src/sql/agent_status_upsert.sql",
+        region,
+        agent,
+        req.epoch,
+        req.allocator_reachable,
+        req.outbox_depth,
+        req.dead_letters,
+        req.quotas_total,
+        Json(&req.quotas) as _,
+        now,
+    )
+    .execute(&mut *tx)
+    .await?;
     tx.commit().await?;
     Ok(())
 }
 
 /// The first `limit` statuses by region and agent.
 pub async fn latest(db: &PgPool, limit: i64) -> Result<Vec<AgentStatusRow>> {
-    Ok(sqlx::query_as(include_str!("sql/agent_status_list.sql")).bind(limit).fetch_all(db).await?)
+    Ok(sqlx::query_file_as!(AgentStatusRow, "src/sql/agent_status_list.sql", limit).fetch_all(db).await?)
 }
 
 #[cfg(test)]

@@ -7,6 +7,7 @@
 //! makes concurrent grants from any number of allocator replicas safe.
 
 use crate::agents;
+use crate::error::on_constraint;
 use crate::http::auth::AgentScope;
 use crate::http::extract::{check_count, check_id, ApiJson};
 use crate::leases::LeaseRow;
@@ -23,6 +24,7 @@ use quota_shared::window::Window;
 use quota_shared::wire::{ErrorBody, GrantRequest, GrantResponse, WindowSel};
 use sqlx::PgConnection;
 use std::time::Instant;
+use tracing::Span;
 use uuid::Uuid;
 
 /// Routes of this module.
@@ -94,7 +96,7 @@ pub(crate) async fn grant(
     let outcome = loop {
         attempts += 1;
         match try_grant(&state, &req).await {
-            Err(Error::Internal(e)) if attempts < 2 && is_key_violation(e.as_ref()) => continue,
+            Err(Error::KeyTaken(_)) if attempts < 2 => continue,
             other => break other,
         }
     };
@@ -127,13 +129,6 @@ pub(crate) async fn grant(
     Ok((headers, Json(result?)))
 }
 
-fn is_key_violation(e: &(dyn std::error::Error + Send + Sync + 'static)) -> bool {
-    e.downcast_ref::<sqlx::Error>()
-        .and_then(|e| e.as_database_error())
-        .and_then(|d| d.constraint())
-        .is_some_and(|c| c == "lease_idempotency_key")
-}
-
 fn event_of(req: &GrantRequest, lease_id: Option<Uuid>, tokens: Option<i64>) -> NewEvent {
     NewEvent {
         tenant: Some(req.tenant.clone()),
@@ -157,7 +152,12 @@ fn same_body(row: &LeaseRow, req: &GrantRequest) -> bool {
         && row.window_sel == req.window.unwrap_or_default().as_str()
 }
 
-/// The grant transaction, with the database instant it decided at.
+/// The grant transaction, with the database instant it decided at. Its
+/// span carries the lease id once the lease is written (or replayed).
+#[tracing::instrument(name = "grant", skip_all, fields(
+    tenant = %req.tenant, resource = %req.resource, region = %req.region, agent = %req.agent,
+    epoch = req.epoch, seq = req.seq, lease_id = tracing::field::Empty,
+))]
 async fn try_grant(state: &AppState, req: &GrantRequest) -> Result<(Outcome, DateTime<Utc>)> {
     let mut tx = state.db.begin().await?;
     agents::fence(&mut tx, &req.region, &req.agent, req.epoch).await?;
@@ -165,14 +165,12 @@ async fn try_grant(state: &AppState, req: &GrantRequest) -> Result<(Outcome, Dat
     // the window is decided as late as possible on the one clock (I8).
     let now = state.db_clock.now(&mut tx).await?;
 
-    let existing: Option<LeaseRow> = sqlx::query_as(include_str!("sql/lease_by_key.sql"))
-        .bind(&req.region)
-        .bind(&req.agent)
-        .bind(req.epoch)
-        .bind(req.seq)
-        .fetch_optional(&mut *tx)
-        .await?;
+    let existing =
+        sqlx::query_file_as!(LeaseRow, "src/sql/lease_by_key.sql", req.region, req.agent, req.epoch, req.seq)
+            .fetch_optional(&mut *tx)
+            .await?;
     if let Some(row) = existing {
+        Span::current().record("lease_id", tracing::field::display(row.lease_id));
         if !same_body(&row, req) {
             return Err(Error::IdempotencyMismatch(format!(
                 "grant key (region {}, agent {}, epoch {}, seq {}) was used for lease {} with a different body",
@@ -202,14 +200,16 @@ async fn try_grant(state: &AppState, req: &GrantRequest) -> Result<(Outcome, Dat
     };
     // The `granted` ledger event is appended by the lease insert itself.
     let row = grant_in_window(&mut tx, req, &policy, window, now).await?;
+    Span::current().record("lease_id", tracing::field::display(row.lease_id));
     tx.commit().await?;
-    tracing::debug!(tenant = %req.tenant, resource = %req.resource, region = %req.region,
-        lease_id = %row.lease_id, epoch = req.epoch, tokens = row.tokens, "lease granted");
+    // Tenant, resource, region, epoch and lease id are the span's.
+    tracing::debug!(tokens = row.tokens, window_start = window.start, "lease granted");
     Ok((Outcome::Granted(row), now))
 }
 
 /// The pool part of the transaction: lock, share, then insert the lease,
 /// debit the pool and append the ledger event in one statement.
+#[tracing::instrument(level = "debug", skip_all, fields(window_start = window.start, window_secs = window.secs))]
 async fn grant_in_window(
     conn: &mut PgConnection,
     req: &GrantRequest,
@@ -218,42 +218,46 @@ async fn grant_in_window(
     now: DateTime<Utc>,
 ) -> Result<LeaseRow> {
     let pool_key = (&req.tenant, &req.resource, window.start, window.secs);
-    let (granted, returned): (i64, i64) = sqlx::query_as(include_str!("sql/pool_lock.sql"))
-        .bind(pool_key.0)
-        .bind(pool_key.1)
-        .bind(pool_key.2)
-        .bind(pool_key.3)
-        .bind(policy.limit_tokens)
-        .bind(policy.fallback_allowance())
-        .bind(now)
-        .fetch_one(&mut *conn)
-        .await?;
-    let (region_granted, region_returned): (i64, i64) =
-        sqlx::query_as(include_str!("sql/pool_region_demand.sql"))
-            .bind(pool_key.0)
-            .bind(pool_key.1)
-            .bind(pool_key.2)
-            .bind(pool_key.3)
-            .bind(&req.region)
-            .bind(req.demand_per_sec)
-            .bind(req.want)
-            .bind(now)
-            .fetch_one(&mut *conn)
-            .await?;
+    let pool = sqlx::query_file!(
+        "src/sql/pool_lock.sql",
+        pool_key.0,
+        pool_key.1,
+        pool_key.2,
+        pool_key.3,
+        policy.limit_tokens,
+        policy.fallback_allowance(),
+        now
+    )
+    .fetch_one(&mut *conn)
+    .await?;
+    let (granted, returned) = (pool.granted, pool.returned);
+    let region = sqlx::query_file!(
+        "src/sql/pool_region_demand.sql",
+        pool_key.0,
+        pool_key.1,
+        pool_key.2,
+        pool_key.3,
+        req.region,
+        req.demand_per_sec,
+        req.want,
+        now
+    )
+    .fetch_one(&mut *conn)
+    .await?;
+    let (region_granted, region_returned) = (region.granted, region.returned);
     let active_since = now - Duration::seconds(policy.lease_ttl_secs.max(1));
-    let others: Vec<(f64, i64)> = sqlx::query_as(include_str!("sql/pool_region_others.sql"))
-        .bind(pool_key.0)
-        .bind(pool_key.1)
-        .bind(pool_key.2)
-        .bind(pool_key.3)
-        .bind(&req.region)
-        .bind(active_since)
-        .fetch_all(&mut *conn)
-        .await?;
-    let others: Vec<OtherRegion> = others
-        .into_iter()
-        .map(|(demand_per_sec, last_want)| OtherRegion { demand_per_sec, last_want })
-        .collect();
+    let others = sqlx::query_file_as!(
+        OtherRegion,
+        "src/sql/pool_region_others.sql",
+        pool_key.0,
+        pool_key.1,
+        pool_key.2,
+        pool_key.3,
+        req.region,
+        active_since
+    )
+    .fetch_all(&mut *conn)
+    .await?;
     let available = policy.limit_tokens - (granted - returned);
     let tokens = share::tokens(&ShareInput {
         want: req.want,
@@ -272,30 +276,36 @@ async fn grant_in_window(
     let expires_at = (life_from + Duration::seconds(policy.lease_ttl_secs)).min(window.end_at());
     let retry_after_ms = (tokens == 0).then(|| window.ms_until_end(now).clamp(1, MAX_RETRY_AFTER_MS));
     let pool_granted = granted + tokens;
-    let row: LeaseRow = sqlx::query_as(include_str!("sql/lease_insert.sql"))
-        .bind(Uuid::new_v4())
-        .bind(&req.tenant)
-        .bind(&req.resource)
-        .bind(&req.region)
-        .bind(&req.agent)
-        .bind(req.epoch)
-        .bind(req.seq)
-        .bind(window.start)
-        .bind(window.secs)
-        .bind(req.want)
-        .bind(req.demand_per_sec)
-        .bind(req.window.unwrap_or_default().as_str())
-        .bind(tokens)
-        .bind(now)
-        .bind(expires_at)
-        .bind(policy.version)
-        .bind(policy.fallback_allowance())
-        .bind(&policy.fail_mode)
-        .bind(policy.limit_tokens)
-        .bind(pool_granted)
-        .bind((policy.limit_tokens - (pool_granted - returned)).max(0))
-        .bind(retry_after_ms)
-        .fetch_one(&mut *conn)
-        .await?;
+    let pool_available = (policy.limit_tokens - (pool_granted - returned)).max(0);
+    // The binds in the order of lease_insert.sql's column list.
+    let row = sqlx::query_file_as!(
+        LeaseRow,
+        "src/sql/lease_insert.sql",
+        Uuid::new_v4(),                          // $1 lease_id
+        req.tenant,                              // $2 tenant
+        req.resource,                            // $3 resource
+        req.region,                              // $4 region
+        req.agent,                               // $5 agent
+        req.epoch,                               // $6 epoch
+        req.seq,                                 // $7 seq
+        window.start,                            // $8 window_start
+        window.secs,                             // $9 window_secs
+        req.want,                                // $10 want
+        req.demand_per_sec,                      // $11 demand_per_sec
+        req.window.unwrap_or_default().as_str(), // $12 window_sel
+        tokens,                                  // $13 tokens
+        now,                                     // $14 issued_at
+        expires_at,                              // $15 expires_at
+        policy.version,                          // $16 policy_version
+        policy.fallback_allowance(),             // $17 fallback_allowance
+        policy.fail_mode,                        // $18 fail_mode
+        policy.limit_tokens,                     // $19 pool_limit
+        pool_granted,                            // $20 pool_granted
+        pool_available,                          // $21 pool_available
+        retry_after_ms                           // $22 retry_after_ms
+    )
+    .fetch_one(&mut *conn)
+    .await
+    .map_err(on_constraint("lease_idempotency_key", Error::KeyTaken))?;
     Ok(row)
 }

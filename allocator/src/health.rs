@@ -34,7 +34,7 @@ pub(crate) async fn healthz() -> Json<Value> {
     tag = "health"
 )]
 pub(crate) async fn readyz(State(state): State<AppState>) -> Result<Json<Value>> {
-    sqlx::query(include_str!("sql/ping.sql")).execute(&state.db).await?;
+    sqlx::query_file!("src/sql/ping.sql").fetch_one(&state.db).await?;
     Ok(Json(json!({"status": "ready", "database": "ok"})))
 }
 

@@ -27,8 +27,8 @@ pub fn admin_router() -> Router<AppState> {
     Router::new().route("/v1/leases/{lease_id}", get(get_lease))
 }
 
-/// A lease row.
-#[derive(Debug, Clone, sqlx::FromRow)]
+/// A lease row (the columns of `sql/lease_*.sql` and `sql/explain_leases.sql`).
+#[derive(Debug, Clone)]
 pub struct LeaseRow {
     pub lease_id: Uuid,
     pub tenant: String,
@@ -173,6 +173,9 @@ pub(crate) async fn release(
 
 /// The release transaction; on refusal also hands back the lease for the
 /// ledger entry.
+#[tracing::instrument(name = "release", skip_all, fields(
+    lease_id = %lease_id, region = tracing::field::Empty, agent = tracing::field::Empty, epoch = req.epoch,
+))]
 async fn try_release(
     state: &AppState,
     scope: &AgentScope,
@@ -180,12 +183,14 @@ async fn try_release(
     req: &ReleaseRequest,
 ) -> Result<LeaseView, (Error, Option<LeaseRow>)> {
     let mut tx = state.db.begin().await.map_err(|e| (e.into(), None))?;
-    let row: LeaseRow = sqlx::query_as(include_str!("sql/lease_lock.sql"))
-        .bind(lease_id)
+    let row = sqlx::query_file_as!(LeaseRow, "src/sql/lease_lock.sql", lease_id)
         .fetch_optional(&mut *tx)
         .await
         .map_err(|e| (e.into(), None))?
         .ok_or_else(|| (Error::UnknownLease(lease_id.to_string()), None))?;
+    let span = tracing::Span::current();
+    span.record("region", row.region.as_str());
+    span.record("agent", row.agent.as_str());
     let fail = |e: Error| (e, Some(row.clone()));
     // The path names only the lease; the region it acts for is the lease's.
     scope.check(&row.region).map_err(fail)?;
@@ -210,25 +215,24 @@ async fn try_release(
     // Whether the window is still open is decided on the one clock (I8).
     let now = state.db_clock.now(&mut tx).await.map_err(fail)?;
     let returned = if now < row.window_end() { req.unspent } else { 0 };
-    let updated: LeaseRow = sqlx::query_as(include_str!("sql/lease_release.sql"))
-        .bind(lease_id)
-        .bind(req.unspent)
-        .bind(returned)
-        .bind(now)
-        .fetch_one(&mut *tx)
-        .await
-        .map_err(|e| fail(e.into()))?;
-    if returned > 0 {
-        sqlx::query(include_str!("sql/pool_add_returned.sql"))
-            .bind(&row.tenant)
-            .bind(&row.resource)
-            .bind(row.window_start)
-            .bind(row.window_secs)
-            .bind(&row.region)
-            .bind(returned)
-            .execute(&mut *tx)
+    let updated =
+        sqlx::query_file_as!(LeaseRow, "src/sql/lease_release.sql", lease_id, req.unspent, returned, now)
+            .fetch_one(&mut *tx)
             .await
             .map_err(|e| fail(e.into()))?;
+    if returned > 0 {
+        sqlx::query_file!(
+            "src/sql/pool_add_returned.sql",
+            row.tenant,
+            row.resource,
+            row.window_start,
+            row.window_secs,
+            row.region,
+            returned
+        )
+        .execute(&mut *tx)
+        .await
+        .map_err(|e| fail(e.into()))?;
     }
     let event = NewEvent {
         tenant: Some(row.tenant.clone()),
@@ -275,8 +279,7 @@ pub(crate) async fn get_lease(
     ApiPath(lease_id): ApiPath<String>,
 ) -> Result<Json<serde_json::Value>> {
     let lease_id = parse_lease_id(&lease_id)?;
-    let row: LeaseRow = sqlx::query_as(include_str!("sql/lease_get.sql"))
-        .bind(lease_id)
+    let row = sqlx::query_file_as!(LeaseRow, "src/sql/lease_get.sql", lease_id)
         .fetch_optional(&state.db)
         .await?
         .ok_or_else(|| Error::UnknownLease(lease_id.to_string()))?;

@@ -71,22 +71,25 @@ pub struct NewEvent {
 
 /// Appends one event inside the caller's transaction, so an event exists if
 /// and only if the change it describes committed.
+#[tracing::instrument(level = "debug", skip_all, fields(kind = kind.as_str()))]
 pub async fn append(conn: &mut PgConnection, at: DateTime<Utc>, kind: Kind, e: NewEvent) -> Result<()> {
-    sqlx::query(include_str!("sql/ledger_append.sql"))
-        .bind(at)
-        .bind(kind.as_str())
-        .bind(e.tenant)
-        .bind(e.resource)
-        .bind(e.region)
-        .bind(e.agent)
-        .bind(e.epoch)
-        .bind(e.seq)
-        .bind(e.lease_id)
-        .bind(e.tokens)
-        .bind(e.reason)
-        .bind(e.detail)
-        .execute(conn)
-        .await?;
+    sqlx::query_file!(
+        "src/sql/ledger_append.sql",
+        at,
+        kind.as_str(),
+        e.tenant,
+        e.resource,
+        e.region,
+        e.agent,
+        e.epoch,
+        e.seq,
+        e.lease_id,
+        e.tokens,
+        e.reason,
+        e.detail
+    )
+    .execute(conn)
+    .await?;
     Ok(())
 }
 
@@ -98,7 +101,7 @@ pub async fn append_refusal(db: &PgPool, at: DateTime<Utc>, e: NewEvent) -> Resu
 }
 
 /// One ledger event as read back.
-#[derive(Debug, Clone, Serialize, Deserialize, sqlx::FromRow, ToSchema)]
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct Event {
     /// Unique; draws from a sequence, so it is not the order of commits.
     pub id: i64,
@@ -224,23 +227,16 @@ pub struct Horizon {
     pub as_of: Option<DateTime<Utc>>,
 }
 
-#[derive(sqlx::FromRow)]
-struct HorizonRow {
-    horizon: String,
-    held_secs: Option<f64>,
-    since_unknown: bool,
-}
-
 /// Takes the ledger's horizon now (see `sql/ledger_horizon.sql`). Three
 /// statements in order, each with its own snapshot: the tick, the horizon,
 /// and later the page query.
+#[tracing::instrument(level = "debug", skip_all)]
 pub async fn horizon(db: &PgPool, clock: &crate::time::DbClock) -> Result<Horizon> {
     let mut conn = db.acquire().await?;
     // On the database's clock, like every event's `at` (I8).
     let now = clock.now(&mut conn).await?;
-    sqlx::query(include_str!("sql/ledger_tick.sql")).execute(&mut *conn).await?;
-    let row: HorizonRow =
-        sqlx::query_as(include_str!("sql/ledger_horizon.sql")).fetch_one(&mut *conn).await?;
+    sqlx::query_file!("src/sql/ledger_tick.sql").fetch_one(&mut *conn).await?;
+    let row = sqlx::query_file!("src/sql/ledger_horizon.sql").fetch_one(&mut *conn).await?;
     // `now` was read before the tick, so every commit before it is below the
     // horizon. An open ledger writer holds back what committed after it got
     // its xid, hence after its transaction started: `as_of` moves back by
@@ -257,18 +253,22 @@ pub async fn horizon(db: &PgPool, clock: &crate::time::DbClock) -> Result<Horizo
     Ok(Horizon { position: row.horizon, as_of })
 }
 
+#[tracing::instrument(level = "debug", skip_all, fields(limit = limit))]
 async fn page(db: &PgPool, f: &Filter, after: Cursor, limit: i64, horizon: &Horizon) -> Result<Vec<Event>> {
-    Ok(sqlx::query_as(include_str!("sql/ledger_page.sql"))
-        .bind(after.txid.to_string())
-        .bind(after.id)
-        .bind(&f.tenant)
-        .bind(&f.resource)
-        .bind(&f.region)
-        .bind(f.since)
-        .bind(limit)
-        .bind(&horizon.position)
-        .fetch_all(db)
-        .await?)
+    Ok(sqlx::query_file_as!(
+        Event,
+        "src/sql/ledger_page.sql",
+        after.txid.to_string(),
+        after.id,
+        f.tenant,
+        f.resource,
+        f.region,
+        f.since,
+        limit,
+        horizon.position
+    )
+    .fetch_all(db)
+    .await?)
 }
 
 /// `GET /v1/ledger`: one page of events in commit order, or with
@@ -365,6 +365,7 @@ fn export(db: PgPool, filter: Filter, start: Cursor, horizon: Horizon) -> Respon
 }
 
 /// The latest refusals of `region` for a quota up to `at`, newest first.
+#[tracing::instrument(level = "debug", skip_all, fields(tenant = %tenant, resource = %resource, region = %region, limit = limit))]
 pub async fn refusals(
     conn: &mut PgConnection,
     tenant: &str,
@@ -373,17 +374,13 @@ pub async fn refusals(
     at: DateTime<Utc>,
     limit: i64,
 ) -> Result<Vec<Event>> {
-    Ok(sqlx::query_as(include_str!("sql/ledger_refusals.sql"))
-        .bind(tenant)
-        .bind(resource)
-        .bind(region)
-        .bind(at)
-        .bind(limit)
+    Ok(sqlx::query_file_as!(Event, "src/sql/ledger_refusals.sql", tenant, resource, region, at, limit)
         .fetch_all(conn)
         .await?)
 }
 
 /// Events that mention one lease, oldest first.
+#[tracing::instrument(level = "debug", skip_all, fields(%lease_id))]
 pub async fn for_lease(db: &PgPool, lease_id: Uuid) -> Result<Vec<Event>> {
-    Ok(sqlx::query_as(include_str!("sql/ledger_for_lease.sql")).bind(lease_id).fetch_all(db).await?)
+    Ok(sqlx::query_file_as!(Event, "src/sql/ledger_for_lease.sql", lease_id).fetch_all(db).await?)
 }

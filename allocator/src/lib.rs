@@ -28,6 +28,27 @@
 //! * [`health`]: liveness, readiness and metrics endpoints.
 //! * [`tls`]: HTTPS served by the allocator, certificates reloaded live.
 //! * [`reload`]: noticing changed configuration files (TLS, agent tokens).
+//!
+//! # SQL
+//!
+//! Every statement is a file of its own in `allocator/src/sql/`, run with
+//! sqlx's `query_file!`, `query_file_as!` or `query_file_scalar!`: its
+//! parameter and column types (and which columns may be null, where the
+//! file overrides that with `"column!"`) are checked at compile time. The
+//! check reads the committed `.sqlx/` cache at the workspace root, never a
+//! live database (`SQLX_OFFLINE` in `.cargo/config.toml`); `.ci/sqlx-cache`
+//! rewrites the cache from a throwaway PostgreSQL with `migrations/`
+//! applied after a query or a migration changed, and `.ci/run` fails when
+//! a query and the cache disagree. Named constraints are mapped to errors
+//! at the statement that can violate them ([`error::on_constraint`]).
+//!
+//! # Spans
+//!
+//! Each request runs in an `http` span (route template, status); the grant
+//! transaction, a report's apply, a release and a policy write open spans
+//! with their keys (tenant, resource, region, lease id, ...), and database
+//! round trips open `debug` ones inside them, so `--log-format json` lines
+//! name what they were about.
 
 pub mod agents;
 pub mod config;

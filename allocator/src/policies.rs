@@ -33,10 +33,9 @@ pub fn router() -> Router<AppState> {
 pub const MAX_VERSIONS: i64 = 10_000;
 
 /// One version of a policy, with who wrote it and when.
-#[derive(Debug, Clone, Serialize, Deserialize, sqlx::FromRow, ToSchema)]
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct PolicyVersion {
     pub version: i64,
-    #[sqlx(rename = "limit_tokens")]
     pub limit: i64,
     pub window_secs: i64,
     pub chunk_min: i64,
@@ -47,9 +46,7 @@ pub struct PolicyVersion {
     pub fail_mode: String,
     /// The token name of the writer: `admin`, or `anonymous/loopback`
     /// when no admin token is configured.
-    #[sqlx(rename = "updated_by")]
     pub changed_by: String,
-    #[sqlx(rename = "updated_at")]
     pub changed_at: DateTime<Utc>,
 }
 
@@ -63,7 +60,7 @@ pub struct PolicyVersions {
 }
 
 /// A policy row.
-#[derive(Debug, Clone, sqlx::FromRow)]
+#[derive(Debug, Clone)]
 pub struct PolicyRow {
     pub tenant: String,
     pub resource: String,
@@ -178,10 +175,9 @@ pub fn resolve(spec: &PolicySpec) -> Result<Resolved> {
 }
 
 /// Loads the policy of a quota, if any.
+#[tracing::instrument(level = "debug", skip_all, fields(tenant = %tenant, resource = %resource))]
 pub async fn load(conn: &mut PgConnection, tenant: &str, resource: &str) -> Result<Option<PolicyRow>> {
-    Ok(sqlx::query_as(include_str!("sql/policy_get.sql"))
-        .bind(tenant)
-        .bind(resource)
+    Ok(sqlx::query_file_as!(PolicyRow, "src/sql/policy_get.sql", tenant, resource)
         .fetch_optional(conn)
         .await?)
 }
@@ -192,18 +188,17 @@ pub async fn require(conn: &mut PgConnection, tenant: &str, resource: &str) -> R
 }
 
 /// The policy version in force at `at` (the latest written at or before it).
+#[tracing::instrument(level = "debug", skip_all, fields(tenant = %tenant, resource = %resource, %at))]
 pub async fn at(db: &PgPool, tenant: &str, resource: &str, at: DateTime<Utc>) -> Result<Option<PolicyRow>> {
-    Ok(sqlx::query_as(include_str!("sql/policy_version_at.sql"))
-        .bind(tenant)
-        .bind(resource)
-        .bind(at)
+    Ok(sqlx::query_file_as!(PolicyRow, "src/sql/policy_version_at.sql", tenant, resource, at)
         .fetch_optional(db)
         .await?)
 }
 
 /// Every quota's policy, by tenant and resource, at most `limit`.
+#[tracing::instrument(level = "debug", skip_all)]
 pub async fn list_all(db: &PgPool, limit: i64) -> Result<Vec<PolicyRow>> {
-    Ok(sqlx::query_as(include_str!("sql/policy_list.sql")).bind(limit).fetch_all(db).await?)
+    Ok(sqlx::query_file_as!(PolicyRow, "src/sql/policy_list.sql", limit).fetch_all(db).await?)
 }
 
 /// `GET /v1/policies/{tenant}/{resource}/versions`: the whole history.
@@ -226,12 +221,10 @@ pub(crate) async fn list_versions(
 ) -> Result<Json<PolicyVersions>> {
     check_id("tenant", &tenant)?;
     check_id("resource", &resource)?;
-    let versions: Vec<PolicyVersion> = sqlx::query_as(include_str!("sql/policy_versions.sql"))
-        .bind(&tenant)
-        .bind(&resource)
-        .bind(MAX_VERSIONS)
-        .fetch_all(&state.db)
-        .await?;
+    let versions =
+        sqlx::query_file_as!(PolicyVersion, "src/sql/policy_versions.sql", tenant, resource, MAX_VERSIONS)
+            .fetch_all(&state.db)
+            .await?;
     if versions.is_empty() {
         return Err(Error::UnknownQuota(format!("{tenant}/{resource}")));
     }
@@ -280,6 +273,7 @@ pub(crate) async fn get_policy(
     security(("admin_token" = [])),
     tag = "policies"
 )]
+#[tracing::instrument(name = "put_policy", skip_all, fields(tenant = %tenant, resource = %resource, version = tracing::field::Empty))]
 pub(crate) async fn put_policy(
     State(state): State<AppState>,
     Extension(who): Extension<Principal>,
@@ -304,9 +298,7 @@ pub(crate) async fn put_policy(
     // Which pools are open (I9) is decided on the one clock (I8).
     let now = state.db_clock.now(&mut tx).await?;
     // The row lock serialises concurrent writers so versions stay strictly increasing.
-    let current: Option<i64> = sqlx::query_scalar(include_str!("sql/policy_lock_version.sql"))
-        .bind(&tenant)
-        .bind(&resource)
+    let current = sqlx::query_file_scalar!("src/sql/policy_lock_version.sql", tenant, resource)
         .fetch_optional(&mut *tx)
         .await?;
     if let Some(expected) = if_match {
@@ -318,36 +310,39 @@ pub(crate) async fn put_policy(
         }
     }
     let version = current.unwrap_or(0) + 1;
-    let row: PolicyRow = sqlx::query_as(include_str!("sql/policy_upsert.sql"))
-        .bind(&tenant)
-        .bind(&resource)
-        .bind(r.limit)
-        .bind(r.window_secs)
-        .bind(r.chunk_min)
-        .bind(r.chunk_max)
-        .bind(r.lease_ttl_secs)
-        .bind(r.fallback_per_region)
-        .bind(r.fail_mode.as_str())
-        .bind(version)
-        .bind(now)
-        .bind(who.0)
-        .fetch_one(&mut *tx)
-        .await?;
-    sqlx::query(include_str!("sql/policy_version_insert.sql"))
-        .bind(&tenant)
-        .bind(&resource)
-        .bind(version)
+    tracing::Span::current().record("version", version);
+    let row = sqlx::query_file_as!(
+        PolicyRow,
+        "src/sql/policy_upsert.sql",
+        tenant,
+        resource,
+        r.limit,
+        r.window_secs,
+        r.chunk_min,
+        r.chunk_max,
+        r.lease_ttl_secs,
+        r.fallback_per_region,
+        r.fail_mode.as_str(),
+        version,
+        now,
+        who.0
+    )
+    .fetch_one(&mut *tx)
+    .await?;
+    sqlx::query_file!("src/sql/policy_version_insert.sql", tenant, resource, version)
         .execute(&mut *tx)
         .await?;
     // I9: open and future pools take the new limit now; issued leases stay.
-    sqlx::query(include_str!("sql/pool_apply_policy.sql"))
-        .bind(&tenant)
-        .bind(&resource)
-        .bind(r.limit)
-        .bind(row.fallback_allowance())
-        .bind(now.timestamp())
-        .execute(&mut *tx)
-        .await?;
+    sqlx::query_file!(
+        "src/sql/pool_apply_policy.sql",
+        tenant,
+        resource,
+        r.limit,
+        row.fallback_allowance(),
+        now.timestamp()
+    )
+    .execute(&mut *tx)
+    .await?;
     let detail = serde_json::to_value(row.to_wire()).map_err(|e| Error::Internal(Box::new(e)))?;
     ledger::append(
         &mut tx,

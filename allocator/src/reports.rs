@@ -151,6 +151,10 @@ pub(crate) async fn report(
     }
 }
 
+#[tracing::instrument(name = "report", skip_all, fields(
+    report_id = %req.report_id, region = %req.region, agent = %req.agent, epoch = req.epoch,
+    items = req.items.len(),
+))]
 async fn apply(state: &AppState, req: &ReportRequest) -> Result<i64> {
     let body = serde_json::to_value(req).map_err(|e| Error::Internal(Box::new(e)))?;
     let mut tx = state.db.begin().await?;
@@ -164,22 +168,22 @@ async fn apply(state: &AppState, req: &ReportRequest) -> Result<i64> {
     let newest_window_start =
         req.items.iter().map(|i| i.window_start.timestamp()).max().unwrap_or_else(|| now.timestamp());
     // A concurrent duplicate waits on the primary key and then finds the row.
-    let inserted: Option<i64> = sqlx::query_scalar(include_str!("sql/report_insert.sql"))
-        .bind(&req.report_id)
-        .bind(&req.region)
-        .bind(&req.agent)
-        .bind(req.epoch)
-        .bind(&body)
-        .bind(req.items.len() as i64)
-        .bind(now)
-        .bind(newest_window_start)
-        .fetch_optional(&mut *tx)
-        .await?;
+    let inserted = sqlx::query_file_scalar!(
+        "src/sql/report_insert.sql",
+        req.report_id,
+        req.region,
+        req.agent,
+        req.epoch,
+        body,
+        req.items.len() as i64,
+        now,
+        newest_window_start
+    )
+    .fetch_optional(&mut *tx)
+    .await?;
     if inserted.is_none() {
-        let (stored, accepted): (serde_json::Value, i64) = sqlx::query_as(include_str!("sql/report_get.sql"))
-            .bind(&req.report_id)
-            .fetch_one(&mut *tx)
-            .await?;
+        let stored = sqlx::query_file!("src/sql/report_get.sql", req.report_id).fetch_one(&mut *tx).await?;
+        let (stored, accepted) = (stored.body, stored.accepted);
         // The epoch and the agent may differ: a restarted agent, or another
         // replica of the region draining an orphaned outbox, resends the
         // report under its own identity. The counts must match.
@@ -212,6 +216,9 @@ async fn apply(state: &AppState, req: &ReportRequest) -> Result<i64> {
 }
 
 /// Applies item `i` inside the report's transaction.
+#[tracing::instrument(level = "debug", skip_all, fields(
+    item = i, tenant = %item.tenant, resource = %item.resource, window_start = %item.window_start,
+))]
 async fn apply_item(
     tx: &mut PgConnection,
     req: &ReportRequest,
@@ -230,26 +237,30 @@ async fn apply_item(
                 format!("{} is not the start of a {window_secs} s window", item.window_start),
             ));
         }
-        sqlx::query(include_str!("sql/pool_ensure.sql"))
-            .bind(&item.tenant)
-            .bind(&item.resource)
-            .bind(start)
-            .bind(window_secs)
-            .bind(policy.limit_tokens)
-            .bind(policy.fallback_allowance())
-            .bind(now)
-            .execute(&mut *tx)
-            .await?;
-        sqlx::query(include_str!("sql/pool_region_report.sql"))
-            .bind(&item.tenant)
-            .bind(&item.resource)
-            .bind(start)
-            .bind(window_secs)
-            .bind(&req.region)
-            .bind(item.consumed)
-            .bind(item.fallback_admitted)
-            .execute(&mut *tx)
-            .await?;
+        sqlx::query_file!(
+            "src/sql/pool_ensure.sql",
+            item.tenant,
+            item.resource,
+            start,
+            window_secs,
+            policy.limit_tokens,
+            policy.fallback_allowance(),
+            now
+        )
+        .execute(&mut *tx)
+        .await?;
+        sqlx::query_file!(
+            "src/sql/pool_region_report.sql",
+            item.tenant,
+            item.resource,
+            start,
+            window_secs,
+            req.region,
+            item.consumed,
+            item.fallback_admitted
+        )
+        .execute(&mut *tx)
+        .await?;
         let event = NewEvent {
             tenant: Some(item.tenant.clone()),
             resource: Some(item.resource.clone()),
@@ -273,6 +284,7 @@ async fn apply_item(
 /// The window length of the pool a report item belongs to: the pool that
 /// already exists at that start (it may predate a change of `window_secs`),
 /// otherwise the policy's current length.
+#[tracing::instrument(level = "debug", skip_all, fields(tenant = %tenant, resource = %resource, start = start))]
 async fn pool_window_secs(
     conn: &mut PgConnection,
     tenant: &str,
@@ -280,13 +292,10 @@ async fn pool_window_secs(
     start: i64,
     current: i64,
 ) -> Result<i64> {
-    let existing: Option<i64> = sqlx::query_scalar(include_str!("sql/pool_window_secs_at.sql"))
-        .bind(tenant)
-        .bind(resource)
-        .bind(start)
-        .bind(current)
-        .fetch_optional(conn)
-        .await?;
+    let existing =
+        sqlx::query_file_scalar!("src/sql/pool_window_secs_at.sql", tenant, resource, start, current)
+            .fetch_optional(conn)
+            .await?;
     Ok(existing.unwrap_or(current))
 }
 

@@ -95,40 +95,48 @@ enum Step<'a> {
     AgentStatuses,
 }
 
+impl Step<'_> {
+    /// The step's name in its span.
+    fn name(&self) -> &'static str {
+        match self {
+            Step::LedgerEvents => "ledger_events",
+            Step::Leases => "leases",
+            Step::Reports => "reports",
+            Step::Pools => "pools",
+            Step::Agents { .. } => "agents",
+            Step::AgentStatuses => "agent_statuses",
+        }
+    }
+}
+
 /// Deletes one batch of `step`'s rows older than `cutoff` (pools: whose
 /// window ended before `cutoff`); answers how many went.
+#[tracing::instrument(level = "debug", skip_all, fields(step = step.name(), batch = batch))]
 async fn one_batch(db: &PgPool, step: Step<'_>, cutoff: DateTime<Utc>, batch: i64) -> Result<u64> {
     Ok(match step {
-        Step::LedgerEvents => {
-            let q = sqlx::query(include_str!("sql/retention_ledger.sql"));
-            q.bind(cutoff).bind(batch).execute(db).await?.rows_affected()
-        }
+        Step::LedgerEvents => sqlx::query_file!("src/sql/retention_ledger.sql", cutoff, batch)
+            .execute(db)
+            .await?
+            .rows_affected(),
         Step::Leases => {
-            let q = sqlx::query(include_str!("sql/retention_lease.sql"));
-            q.bind(cutoff).bind(batch).execute(db).await?.rows_affected()
+            sqlx::query_file!("src/sql/retention_lease.sql", cutoff, batch).execute(db).await?.rows_affected()
         }
-        Step::Reports => {
-            let q = sqlx::query(include_str!("sql/retention_report.sql"));
-            q.bind(cutoff.timestamp()).bind(batch).execute(db).await?.rows_affected()
-        }
-        Step::Pools => {
-            let q = sqlx::query(include_str!("sql/retention_pool.sql"));
-            q.bind(cutoff.timestamp()).bind(batch).execute(db).await?.rows_affected()
-        }
-        Step::AgentStatuses => {
-            let q = sqlx::query(include_str!("sql/retention_agent_status.sql"));
-            q.bind(cutoff).bind(batch).execute(db).await?.rows_affected()
-        }
+        Step::Reports => sqlx::query_file!("src/sql/retention_report.sql", cutoff.timestamp(), batch)
+            .execute(db)
+            .await?
+            .rows_affected(),
+        Step::Pools => sqlx::query_file!("src/sql/retention_pool.sql", cutoff.timestamp(), batch)
+            .execute(db)
+            .await?
+            .rows_affected(),
+        Step::AgentStatuses => sqlx::query_file!("src/sql/retention_agent_status.sql", cutoff, batch)
+            .execute(db)
+            .await?
+            .rows_affected(),
         Step::Agents { region } => {
             let mut tx = db.begin().await?;
-            sqlx::query(include_str!("sql/agent_region_lock_exclusive.sql"))
-                .bind(region)
-                .execute(&mut *tx)
-                .await?;
-            let n: i64 = sqlx::query_scalar(include_str!("sql/retention_agent.sql"))
-                .bind(cutoff)
-                .bind(batch)
-                .bind(region)
+            sqlx::query_file!("src/sql/agent_region_lock_exclusive.sql", region).execute(&mut *tx).await?;
+            let n = sqlx::query_file_scalar!("src/sql/retention_agent.sql", cutoff, batch, region)
                 .fetch_one(&mut *tx)
                 .await?;
             tx.commit().await?;
@@ -153,6 +161,7 @@ async fn batches(db: &PgPool, step: Step<'_>, cutoff: DateTime<Utc>, cfg: &Reten
 /// Deletes what is older than `now − horizon` (and pools older than
 /// `now − window_horizon`), `batch` rows per statement. Agents go last:
 /// whether one is gone depends on its leases and reports being deleted.
+#[tracing::instrument(name = "retention", skip_all, fields(%now))]
 pub async fn purge(db: &PgPool, now: DateTime<Utc>, cfg: &Retention) -> Result<Purged> {
     let cutoff = now - cfg.horizon;
     let mut purged = Purged {
@@ -165,10 +174,8 @@ pub async fn purge(db: &PgPool, now: DateTime<Utc>, cfg: &Retention) -> Result<P
     if let Some(wh) = cfg.window_horizon {
         purged.pools = batches(db, Step::Pools, now - wh, cfg).await?;
     }
-    let regions: Vec<String> = sqlx::query_scalar(include_str!("sql/retention_agent_regions.sql"))
-        .bind(cutoff)
-        .fetch_all(db)
-        .await?;
+    let regions =
+        sqlx::query_file_scalar!("src/sql/retention_agent_regions.sql", cutoff).fetch_all(db).await?;
     for region in &regions {
         purged.agents += batches(db, Step::Agents { region }, cutoff, cfg).await?;
     }

@@ -39,8 +39,10 @@ impl DbClock {
 
     /// The database's current time (plus the test shift), read on `conn`,
     /// usually inside the transaction that decides with it.
+    #[tracing::instrument(name = "db_now", level = "debug", skip_all)]
     pub async fn now(&self, conn: &mut PgConnection) -> Result<DateTime<Utc>> {
-        let db: DateTime<Utc> = sqlx::query_scalar(include_str!("sql/db_now.sql")).fetch_one(conn).await?;
+        // clock_timestamp() is never null; the "!" tells the macro so.
+        let db = sqlx::query_file_scalar!("src/sql/db_now.sql").fetch_one(conn).await?;
         Ok(match &self.shift {
             Some(c) => db + (c.now_utc() - Utc::now()),
             None => db,

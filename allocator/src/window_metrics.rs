@@ -53,18 +53,21 @@ pub fn describe(r: &Registry) {
 type Series = Vec<(Vec<(&'static str, String)>, f64)>;
 
 /// Recomputes every family (called by `GET /metrics`).
+#[tracing::instrument(level = "debug", skip_all)]
 pub async fn refresh(state: &AppState) -> Result<()> {
     let mut out: [Series; 6] = Default::default();
     if state.window_metrics_quotas > 0 {
         let mut conn = state.db.acquire().await?;
         let now = state.db_clock.now(&mut conn).await?;
-        let quotas: Vec<(String, String, i64)> =
-            sqlx::query_as(include_str!("sql/window_metrics_quotas.sql"))
-                .bind(now.timestamp())
-                .bind(state.window_metrics_quotas)
-                .fetch_all(&mut *conn)
-                .await?;
-        for (tenant, resource, window_secs) in quotas {
+        let quotas = sqlx::query_file!(
+            "src/sql/window_metrics_quotas.sql",
+            now.timestamp(),
+            state.window_metrics_quotas
+        )
+        .fetch_all(&mut *conn)
+        .await?;
+        for q in quotas {
+            let (tenant, resource, window_secs) = (q.tenant, q.resource, q.window_secs);
             let (from, to) = two_windows(now, window_secs);
             let (accounts, _) = windows::accounts(&mut conn, &tenant, &resource, from, to, 2, now).await?;
             for w in accounts {

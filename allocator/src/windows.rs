@@ -89,7 +89,6 @@ pub struct WindowsPage {
     pub as_of: DateTime<Utc>,
 }
 
-#[derive(sqlx::FromRow)]
 struct Row {
     window_start: i64,
     window_secs: i64,
@@ -146,6 +145,7 @@ pub(crate) async fn list(
 
 /// The accounting of the first `limit` windows starting in `[from, to)`,
 /// and the start of the next one when there are more.
+#[tracing::instrument(level = "debug", skip_all, fields(tenant = %tenant, resource = %resource, %from, %to, limit = limit))]
 pub async fn accounts(
     conn: &mut PgConnection,
     tenant: &str,
@@ -156,14 +156,17 @@ pub async fn accounts(
     now: DateTime<Utc>,
 ) -> Result<(Vec<WindowAccount>, Option<DateTime<Utc>>)> {
     // One extra window tells whether there is a next page.
-    let rows: Vec<Row> = sqlx::query_as(include_str!("sql/windows_list.sql"))
-        .bind(tenant)
-        .bind(resource)
-        .bind(from.timestamp())
-        .bind(to.timestamp())
-        .bind(limit + 1)
-        .fetch_all(&mut *conn)
-        .await?;
+    let rows = sqlx::query_file_as!(
+        Row,
+        "src/sql/windows_list.sql",
+        tenant,
+        resource,
+        from.timestamp(),
+        to.timestamp(),
+        limit + 1
+    )
+    .fetch_all(&mut *conn)
+    .await?;
     let mut windows: Vec<WindowAccount> = Vec::new();
     for r in rows {
         let key = (r.window_start, r.window_secs);

@@ -15,11 +15,19 @@ pub enum LogFormat {
 
 /// Installs the global `tracing` subscriber once (`RUST_LOG` filters, `info`
 /// by default). Later calls are no-ops so tests may call it freely.
+///
+/// A JSON line carries the event's fields at the top level, the innermost
+/// span's name and fields under `span` and every enclosing span, outermost
+/// first, under `spans` (the request's route and status, the grant's
+/// tenant, resource, region and lease id); text lines show the same spans
+/// as their prefix.
 pub fn init(format: LogFormat) {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
     let _ = match format {
-        LogFormat::Json => builder.json().flatten_event(true).try_init(),
+        LogFormat::Json => {
+            builder.json().flatten_event(true).with_current_span(true).with_span_list(true).try_init()
+        }
         LogFormat::Text => builder.try_init(),
     };
 }

@@ -10,7 +10,7 @@
 //! malformed new version is logged (line number only) and the one in force
 //! stays.
 
-use super::auth::constant_time_eq;
+use super::secret::constant_time_eq;
 use crate::reload::Watched;
 use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};

@@ -11,6 +11,7 @@
 //! is about to act for against it, and another region is `403 wrong_region`.
 
 use super::agent_tokens::AgentTokens;
+use super::secret::constant_time_eq;
 use crate::{AppState, Error};
 use axum::extract::{FromRequestParts, Request, State};
 use axum::http::request::Parts;
@@ -93,18 +94,6 @@ pub const ANONYMOUS: &str = "anonymous/loopback";
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Principal(pub &'static str);
 
-/// Byte-wise comparison whose time depends only on the lengths: every byte
-/// is visited and folded into one accumulator, with no early exit, and
-/// `black_box` keeps the optimiser from turning the fold back into a
-/// short-circuiting compare.
-pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    let mut diff = u8::from(a.len() != b.len());
-    for i in 0..a.len().max(b.len()) {
-        diff |= std::hint::black_box(a.get(i).copied().unwrap_or(0) ^ b.get(i).copied().unwrap_or(0));
-    }
-    std::hint::black_box(diff) == 0
-}
-
 fn bearer(req: &Request) -> Option<&str> {
     req.headers().get("authorization")?.to_str().ok()?.strip_prefix("Bearer ")
 }
@@ -174,7 +163,7 @@ pub async fn require_admin(
 
 #[cfg(test)]
 mod tests {
-    use super::{constant_time_eq, AgentScope};
+    use super::AgentScope;
 
     #[test]
     fn a_scope_admits_only_its_regions() {
@@ -186,14 +175,5 @@ mod tests {
         assert!(cert.check("eu2").is_ok() && cert.check("us").is_err());
         let both = AgentScope { token: Some("eu".into()), cert: Some(vec!["us".into()]) };
         assert!(both.check("eu").is_err() && both.check("us").is_err(), "both must allow it");
-    }
-
-    #[test]
-    fn constant_time_eq_compares_whole_strings() {
-        assert!(constant_time_eq(b"secret", b"secret"));
-        assert!(!constant_time_eq(b"secret", b"secreT"));
-        assert!(!constant_time_eq(b"secret", b"secret2"));
-        assert!(!constant_time_eq(b"", b"x"));
-        assert!(constant_time_eq(b"", b""));
     }
 }

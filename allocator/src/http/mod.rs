@@ -1,5 +1,5 @@
 //! The HTTP surface: one router per resource module, merged here, with the
-//! body limit, auth per route class and request metrics.
+//! body limit, auth per route class, request metrics and request spans.
 //!
 //! Route classes (DESIGN §5 Security): agent routes take the agent token;
 //! policy reads and writes, operator reads (windows, ledger, leases,
@@ -13,6 +13,8 @@ pub mod agent_tokens;
 pub mod auth;
 pub mod extract;
 pub mod metrics;
+pub mod secret;
+pub mod trace;
 
 use crate::{
     agents, explain, fleet, grants, health, leases, ledger, openapi, policies, reports, ui, windows,
@@ -55,6 +57,7 @@ pub fn router(state: AppState) -> Router {
         .merge(openapi::router())
         .fallback(|req: Request| async move { Error::NoRoute(req.uri().path().to_string()) })
         .layer(from_fn_with_state(state.clone(), metrics::track))
+        .layer(trace::layer())
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .layer(TimeoutLayer::with_status_code(axum::http::StatusCode::REQUEST_TIMEOUT, REQUEST_TIMEOUT))
         .with_state(state)

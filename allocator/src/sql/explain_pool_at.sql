@@ -7,14 +7,14 @@
 -- latest grant request up to the instant (each request stores a lease, also
 -- one of 0 tokens).
 select p.created_at, p.granted as stored_granted, p.returned as stored_returned,
-       coalesce(sum(l.tokens), 0)::bigint as lease_granted,
-       coalesce(sum(l.returned), 0)::bigint as lease_returned,
-       coalesce(sum(l.tokens) filter (where l.issued_at <= $5), 0)::bigint as granted,
-       coalesce(sum(l.returned) filter (where l.released_at <= $5), 0)::bigint as returned,
-       coalesce(sum(l.tokens) filter (where l.region = $6), 0)::bigint as r_lease_granted,
-       coalesce(sum(l.returned) filter (where l.region = $6), 0)::bigint as r_lease_returned,
-       coalesce(sum(l.tokens) filter (where l.region = $6 and l.issued_at <= $5), 0)::bigint as r_granted,
-       coalesce(sum(l.returned) filter (where l.region = $6 and l.released_at <= $5), 0)::bigint as r_returned,
+       coalesce(sum(l.tokens), 0)::bigint as "lease_granted!",
+       coalesce(sum(l.returned), 0)::bigint as "lease_returned!",
+       coalesce(sum(l.tokens) filter (where l.issued_at <= $5), 0)::bigint as "granted!",
+       coalesce(sum(l.returned) filter (where l.released_at <= $5), 0)::bigint as "returned!",
+       coalesce(sum(l.tokens) filter (where l.region = $6), 0)::bigint as "r_lease_granted!",
+       coalesce(sum(l.returned) filter (where l.region = $6), 0)::bigint as "r_lease_returned!",
+       coalesce(sum(l.tokens) filter (where l.region = $6 and l.issued_at <= $5), 0)::bigint as "r_granted!",
+       coalesce(sum(l.returned) filter (where l.region = $6 and l.released_at <= $5), 0)::bigint as "r_returned!",
        (select d.demand_per_sec from lease d
          where d.tenant = $1 and d.resource = $2 and d.window_start = $3 and d.window_secs = $4
            and d.region = $6 and d.issued_at <= $5

@@ -40,6 +40,6 @@ writers as (
     where w.locktype = 'relation'
     group by w.virtualtransaction
 )
-select least((select xmax from snap) - 1, (select min(xid) from writers))::text as horizon,
+select least((select xmax from snap) - 1, (select min(xid) from writers))::text as "horizon!",
        extract(epoch from statement_timestamp() - (select min(since) from writers))::float8 as held_secs,
-       coalesce((select bool_or(since_unknown) from writers), false) as since_unknown
+       coalesce((select bool_or(since_unknown) from writers), false) as "since_unknown!"

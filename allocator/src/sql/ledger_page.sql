@@ -3,7 +3,7 @@
 -- to this statement's later snapshot, and every row still to commit sorts at
 -- or above it, so the cursor can neither skip a late commit nor repeat one.
 select id, at, kind, tenant, resource, region, agent, epoch, seq, lease_id, tokens, reason, detail,
-       txid::text as txid
+       txid::text as "txid!"
 from ledger_event
 where txid < $8::text::xid8
   and (txid, id) > ($1::text::xid8, $2)

@@ -21,4 +21,4 @@ with gone as (
     select region, max(epoch) from gone group by region
     on conflict (region) do update set epoch = greatest(agent_epoch_floor.epoch, excluded.epoch)
 )
-select count(*)::bigint from gone
+select count(*)::bigint as "deleted!" from gone

@@ -9,11 +9,11 @@ with p as (
     order by tenant, resource
     limit $2
 )
-select o.tenant, o.resource, o.window_start, o.limit_tokens, o.fallback_per_region,
-       count(r.region)::bigint as regions,
-       coalesce(sum(r.consumed), 0)::bigint as consumed,
-       coalesce(sum(r.fallback_admitted), 0)::bigint as fallback_admitted,
-       coalesce(array_agg(r.region order by r.region) filter (where r.fallback_admitted > 0), '{}') as fallback_regions
+select o.tenant, o.resource, o.limit_tokens, o.fallback_per_region,
+       count(r.region)::bigint as "regions!",
+       coalesce(sum(r.consumed), 0)::bigint as "consumed!",
+       coalesce(sum(r.fallback_admitted), 0)::bigint as "fallback_admitted!",
+       coalesce(array_agg(r.region order by r.region) filter (where r.fallback_admitted > 0), '{}') as "fallback_regions!"
 from p
 join pool o
   on o.tenant = p.tenant and o.resource = p.resource

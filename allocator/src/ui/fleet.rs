@@ -90,7 +90,6 @@ pub struct OpenWindow {
     pub unavailable: i64,
 }
 
-#[derive(sqlx::FromRow)]
 struct PoolRow {
     tenant: String,
     resource: String,
@@ -141,11 +140,8 @@ pub async fn open_windows(
     let mut conn = state.db.acquire().await?;
     let now = state.db_clock.now(&mut conn).await?;
     let t = now.timestamp();
-    let pools: Vec<PoolRow> = sqlx::query_as(include_str!("../sql/ui_open_windows.sql"))
-        .bind(t)
-        .bind(limit)
-        .fetch_all(&mut *conn)
-        .await?;
+    let pools =
+        sqlx::query_file_as!(PoolRow, "src/sql/ui_open_windows.sql", t, limit).fetch_all(&mut *conn).await?;
     drop(conn);
     let mut open: HashMap<(String, String), OpenWindow> = policies
         .iter()

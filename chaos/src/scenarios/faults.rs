@@ -109,7 +109,10 @@ pub async fn allocator_kill(p: &Profile, bins: Bins) -> Result<ScenarioReport, S
     run.stack.allocators[0].restart().await?;
     run.note("allocator replica 1 restarted");
     run.pass(1.5).await;
-    let orphans = run.count_sql(include_str!("../sql/leases_without_event.sql")).await?;
+    let orphans = sqlx::query_file_scalar!("src/sql/leases_without_event.sql", TENANT, RESOURCE)
+        .fetch_one(&run.db)
+        .await
+        .map_err(|e| format!("query: {e}"))?;
     run.check(orphans == 0, format!("{orphans} leases without their ledger event"));
     let c = Counts { ..totals(&run, "eu") };
     let u = totals(&run, "us");
@@ -194,10 +197,7 @@ pub async fn postgres_restart(p: &Profile, bins: Bins) -> Result<ScenarioReport,
     run.pass(2.0).await;
     let after = totals(&run, "eu").since(&before);
     run.check(after.admitted() > 0, format!("eu admitted {} during and after the restart", after.admitted()));
-    let resumed: i64 = sqlx::query_scalar(include_str!("../sql/leases_issued_after.sql"))
-        .bind(TENANT)
-        .bind(RESOURCE)
-        .bind(at)
+    let resumed = sqlx::query_file_scalar!("src/sql/leases_issued_after.sql", TENANT, RESOURCE, at)
         .fetch_one(&run.db)
         .await
         .map_err(|e| format!("query: {e}"))?;
@@ -241,14 +241,11 @@ pub async fn zombie(p: &Profile, bins: Bins) -> Result<ScenarioReport, String> {
     run.pass(1.5).await;
     let refused = run.ledger_count("refused/stale_epoch").await?;
     run.check(refused > 0, format!("{refused} requests of the old incarnation refused as stale_epoch"));
-    let credited: i64 = sqlx::query_scalar(include_str!("../sql/leases_of_epoch_after.sql"))
-        .bind("eu")
-        .bind("eu-1")
-        .bind(old)
-        .bind(fenced_at)
-        .fetch_one(&run.db)
-        .await
-        .map_err(|e| format!("query: {e}"))?;
+    let credited =
+        sqlx::query_file_scalar!("src/sql/leases_of_epoch_after.sql", "eu", "eu-1", old, fenced_at)
+            .fetch_one(&run.db)
+            .await
+            .map_err(|e| format!("query: {e}"))?;
     run.check(credited == 0, format!("{credited} leases granted to epoch <= {old} after the fence"));
     let now = run.stack.region("eu").agents[0].epoch().await;
     run.check(now > taken, format!("the resumed agent registered anew: epoch {now} > {taken}"));

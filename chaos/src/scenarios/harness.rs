@@ -210,24 +210,15 @@ impl Run {
     /// Ledger events of the quota since the run started, by `kind` or
     /// `kind/reason`.
     pub async fn ledger_count(&self, kind: &str) -> Result<i64, String> {
-        let rows: Vec<(String, String, i64)> = sqlx::query_as(include_str!("../sql/ledger_kinds.sql"))
-            .bind(TENANT)
-            .bind(RESOURCE)
-            .bind(self.started_at)
+        let rows = sqlx::query_file!("src/sql/ledger_kinds.sql", TENANT, RESOURCE, self.started_at)
             .fetch_all(&self.db)
             .await
             .map_err(|e| format!("ledger query: {e}"))?;
-        Ok(rows.iter().filter(|(k, r, _)| k == kind || format!("{k}/{r}") == kind).map(|(_, _, n)| *n).sum())
-    }
-
-    /// One-number query of `sql` with the quota bound as $1, $2.
-    pub async fn count_sql(&self, sql: &str) -> Result<i64, String> {
-        sqlx::query_scalar(sql)
-            .bind(TENANT)
-            .bind(RESOURCE)
-            .fetch_one(&self.db)
-            .await
-            .map_err(|e| format!("query: {e}"))
+        Ok(rows
+            .iter()
+            .filter(|r| r.kind == kind || format!("{}/{}", r.kind, r.reason) == kind)
+            .map(|r| r.n)
+            .sum())
     }
 
     /// [`Run::finish_with`] without checks of the scenario's own.
@@ -281,14 +272,13 @@ impl Run {
                 ));
             }
         }
-        let bad_pools: Vec<(i64, i64, i64, i64, i64)> =
-            sqlx::query_as(include_str!("../sql/pools_oversubscribed.sql"))
-                .bind(TENANT)
-                .bind(RESOURCE)
-                .fetch_all(&self.db)
-                .await
-                .map_err(|e| format!("pool query: {e}"))?;
-        for (ws, limit, granted, returned, leases) in &bad_pools {
+        let bad_pools = sqlx::query_file!("src/sql/pools_oversubscribed.sql", TENANT, RESOURCE)
+            .fetch_all(&self.db)
+            .await
+            .map_err(|e| format!("pool query: {e}"))?;
+        for p in &bad_pools {
+            let (ws, limit, granted, returned, leases) =
+                (p.window_start, p.limit_tokens, p.granted, p.returned, p.lease_tokens);
             self.failed.push(format!(
                 "pool {ws}: limit {limit}, granted {granted}, returned {returned}, leases hold {leases} (I1)"
             ));

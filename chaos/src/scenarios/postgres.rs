@@ -94,14 +94,13 @@ async fn credited_leases(run: &Run) -> Result<BTreeSet<String>, String> {
 /// Per report id, per window start (Unix s), what the report counted
 /// (consumed + fallback) for the scenario's quota.
 async fn reports(db: &sqlx::PgPool) -> Result<BTreeMap<String, BTreeMap<i64, i64>>, String> {
-    let rows: Vec<(String, i64, i64)> = sqlx::query_as(include_str!("../sql/report_items.sql"))
-        .bind(TENANT)
-        .bind(RESOURCE)
+    let rows = sqlx::query_file!("src/sql/report_items.sql", TENANT, RESOURCE)
         .fetch_all(db)
         .await
         .map_err(|e| format!("report query: {e}"))?;
     let mut out: BTreeMap<String, BTreeMap<i64, i64>> = BTreeMap::new();
-    for (id, ws, n) in rows {
+    for r in rows {
+        let (id, ws, n) = (r.report_id, r.window_start, r.counted);
         *out.entry(id).or_default().entry(ws).or_default() += n;
     }
     Ok(out)
@@ -149,15 +148,18 @@ pub async fn failover(p: &Profile, bins: Bins, synchronous: bool) -> Result<Scen
     // What the old primary holds just before its death: every lease it
     // committed (visible, so in the synchronous case also on the standby)
     // and every report it accepted.
-    let leases: Vec<(String, i64, i64)> = sqlx::query_as(include_str!("../sql/leases_of_quota.sql"))
-        .bind(TENANT)
-        .bind(RESOURCE)
+    let leases = sqlx::query_file!("src/sql/leases_of_quota.sql", TENANT, RESOURCE)
         .fetch_all(&run.db)
         .await
         .map_err(|e| format!("lease query: {e}"))?;
     let mut known: BTreeMap<String, KnownLease> = leases
         .into_iter()
-        .map(|(id, window_start, tokens)| (id.clone(), KnownLease { id, window_start, tokens }))
+        .map(|l| {
+            (
+                l.lease_id.clone(),
+                KnownLease { id: l.lease_id, window_start: l.window_start, tokens: l.tokens },
+            )
+        })
         .collect();
     let reports_before = reports(&run.db).await?;
     run.stack.db.kill();
@@ -187,14 +189,10 @@ pub async fn failover(p: &Profile, bins: Bins, synchronous: bool) -> Result<Scen
         format!("a registration after the failover got epoch {probe_after} > {probe_before} before it (I4)"),
     );
     run.pass(2.0).await;
-    let first_grant: Option<chrono::DateTime<chrono::Utc>> =
-        sqlx::query_scalar(include_str!("../sql/first_lease_after.sql"))
-            .bind(TENANT)
-            .bind(RESOURCE)
-            .bind(promoted)
-            .fetch_one(&run.db)
-            .await
-            .map_err(|e| format!("query: {e}"))?;
+    let first_grant = sqlx::query_file_scalar!("src/sql/first_lease_after.sql", TENANT, RESOURCE, promoted)
+        .fetch_one(&run.db)
+        .await
+        .map_err(|e| format!("query: {e}"))?;
     match first_grant {
         Some(t) => run.note(format!(
             "first lease from the new primary {:.2} s after the kill",
@@ -218,8 +216,7 @@ pub async fn failover(p: &Profile, bins: Bins, synchronous: bool) -> Result<Scen
         known.entry(id.clone()).or_insert(KnownLease { id: id.clone(), window_start: -1, tokens: -1 });
     }
     let ids: Vec<String> = known.keys().cloned().collect();
-    let present: Vec<String> = sqlx::query_scalar(include_str!("../sql/leases_present.sql"))
-        .bind(&ids)
+    let present = sqlx::query_file_scalar!("src/sql/leases_present.sql", &ids[..])
         .fetch_all(&run.db)
         .await
         .map_err(|e| format!("lease query: {e}"))?;

@@ -1,2 +1,2 @@
 -- Leases of one quota issued after an instant (grants resumed).
-select count(*)::bigint from lease where tenant = $1 and resource = $2 and issued_at > $3
+select count(*)::bigint as "leases!" from lease where tenant = $1 and resource = $2 and issued_at > $3

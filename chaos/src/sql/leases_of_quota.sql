@@ -1,2 +1,2 @@
 -- Every lease of one quota: id, window start (Unix s), tokens.
-select lease_id::text, window_start, tokens from lease where tenant = $1 and resource = $2
+select lease_id::text as "lease_id!", window_start, tokens from lease where tenant = $1 and resource = $2
