@@ -2,7 +2,9 @@
 //! store, the allocator client, the quota registry, the agent's identity,
 //! the metrics, the clocks, and the background tasks to stop at shutdown.
 //! It knows no handler and no task (they take what they use from it), so
-//! the modules that use it never lead back here.
+//! the modules that use it never lead back here. The parts a handler or
+//! task may take on its own are shared handles (`Arc`s, or cheap clones
+//! such as [`Store`]), so a narrower state is a copy of a few handles.
 
 use crate::client::AllocatorClient;
 use crate::config::Settings;
@@ -22,28 +24,27 @@ use tokio_util::sync::CancellationToken;
 
 /// Everything the handlers and background tasks share.
 pub struct App {
-    pub settings: Settings,
+    pub settings: Arc<Settings>,
     pub keys: Keys,
     pub store: Store,
-    pub alloc: AllocatorClient,
-    pub quotas: Quotas,
-    pub ident: Identity,
-    pub metrics: Registry,
+    pub alloc: Arc<AllocatorClient>,
+    pub quotas: Arc<Quotas>,
+    pub ident: Arc<Identity>,
+    pub metrics: Arc<Registry>,
     /// UTC for windows (scheduling and the fallback window), monotonic for deadlines.
     pub clock: Arc<dyn Clock>,
     /// The region's incarnation key was missing at start (see the crate doc).
     pub region_fresh: AtomicBool,
     /// The opt-in local allowance while Redis is down.
-    pub local: fallback::LocalFallback,
+    pub local: Arc<fallback::LocalFallback>,
     /// Quota names the allocator recently answered 404 for.
-    pub unknown: quotas::Unknown,
-    /// The allocator's clock as its last grant answer showed it, and the
-    /// monotonic instant that answer arrived (see [`App::allocator_now`]).
-    alloc_time: Mutex<Option<(chrono::DateTime<chrono::Utc>, std::time::Instant)>>,
+    pub unknown: Arc<quotas::Unknown>,
+    /// The allocator's clock as its grant answers show it.
+    pub alloc_clock: Arc<AllocatorClock>,
     /// Whether the region's Redis may be trusted to keep keys (eviction policy).
-    pub guard: guard::Guard,
+    pub guard: Arc<guard::Guard>,
     /// Per-window refusal counts and the outbox depth for the allocator's fleet pages.
-    pub fleet_status: FleetStatus,
+    pub fleet_status: Arc<FleetStatus>,
     /// Stops the background tasks.
     pub cancel: CancellationToken,
     tasks: Mutex<Vec<JoinHandle<()>>>,
@@ -80,19 +81,19 @@ impl App {
         };
         Ok(Arc::new(App {
             keys: Keys::new(&settings.redis_prefix),
-            settings,
+            settings: Arc::new(settings),
             store,
-            alloc,
-            quotas: Quotas::default(),
-            ident: Identity::default(),
-            metrics,
+            alloc: Arc::new(alloc),
+            quotas: Arc::default(),
+            ident: Arc::default(),
+            metrics: Arc::new(metrics),
+            alloc_clock: Arc::new(AllocatorClock::new(clock.clone())),
             clock,
             region_fresh: AtomicBool::new(false),
-            local: fallback::LocalFallback::default(),
-            unknown: quotas::Unknown::default(),
-            alloc_time: Mutex::new(None),
-            guard: guard::Guard::default(),
-            fleet_status: FleetStatus::default(),
+            local: Arc::default(),
+            unknown: Arc::default(),
+            guard: Arc::default(),
+            fleet_status: Arc::default(),
             cancel: CancellationToken::new(),
             tasks: Mutex::new(Vec::new()),
         }))
@@ -103,32 +104,9 @@ impl App {
         self.alloc.breaker.reachable()
     }
 
-    /// Records the allocator's clock read off a grant answer (`at` is the
-    /// allocator's instant when it answered, `arrived` when the answer came).
-    pub fn observe_allocator_time(&self, at: chrono::DateTime<chrono::Utc>, arrived: std::time::Instant) {
-        *self.alloc_time.lock().unwrap() = Some((at, arrived));
-    }
-
-    /// The allocator's clock minus this host's (the agent's own clock), as
-    /// the last grant answer showed it; `None` before the first answer.
-    /// Only for operators: no decision reads it.
-    pub fn allocator_clock_offset(&self) -> Option<chrono::Duration> {
-        let known = self.alloc_time.lock().unwrap().is_some();
-        known.then(|| self.allocator_now() - self.clock.now_utc())
-    }
-
-    /// The allocator's clock now, extrapolated with the monotonic clock from
-    /// its last answer (I8: window decisions of this agent's own, such as the
-    /// local store fallback, follow the allocator, not this host's wall
-    /// clock); this host's clock only before the first answer.
+    /// See [`AllocatorClock::now`].
     pub fn allocator_now(&self) -> chrono::DateTime<chrono::Utc> {
-        match *self.alloc_time.lock().unwrap() {
-            Some((at, arrived)) => {
-                at + chrono::Duration::from_std(arrived.elapsed())
-                    .unwrap_or_else(|_| chrono::Duration::zero())
-            }
-            None => self.clock.now_utc(),
-        }
+        self.alloc_clock.now()
     }
 
     /// Runs `f` as a background task the shutdown waits for (and cuts at
@@ -140,5 +118,49 @@ impl App {
     /// The background tasks started so far (taken: the shutdown awaits them).
     pub(crate) fn take_tasks(&self) -> Vec<JoinHandle<()>> {
         std::mem::take(&mut *self.tasks.lock().unwrap())
+    }
+}
+
+/// The allocator's clock as its last grant answer showed it, and the
+/// monotonic instant that answer arrived; shared by the renewer (which
+/// observes it), the acquire path and the status (which read it).
+pub struct AllocatorClock {
+    /// This host's clock, until the first answer.
+    clock: Arc<dyn Clock>,
+    last: Mutex<Option<(chrono::DateTime<chrono::Utc>, std::time::Instant)>>,
+}
+
+impl AllocatorClock {
+    /// Nothing observed yet: [`AllocatorClock::now`] is `clock`'s.
+    pub fn new(clock: Arc<dyn Clock>) -> AllocatorClock {
+        AllocatorClock { clock, last: Mutex::new(None) }
+    }
+
+    /// Records the allocator's clock read off a grant answer (`at` is the
+    /// allocator's instant when it answered, `arrived` when the answer came).
+    pub fn observe(&self, at: chrono::DateTime<chrono::Utc>, arrived: std::time::Instant) {
+        *self.last.lock().unwrap() = Some((at, arrived));
+    }
+
+    /// The allocator's clock minus this host's (the agent's own clock), as
+    /// the last grant answer showed it; `None` before the first answer.
+    /// Only for operators: no decision reads it.
+    pub fn offset(&self) -> Option<chrono::Duration> {
+        let known = self.last.lock().unwrap().is_some();
+        known.then(|| self.now() - self.clock.now_utc())
+    }
+
+    /// The allocator's clock now, extrapolated with the monotonic clock from
+    /// its last answer (I8: window decisions of this agent's own, such as the
+    /// local store fallback, follow the allocator, not this host's wall
+    /// clock); this host's clock only before the first answer.
+    pub fn now(&self) -> chrono::DateTime<chrono::Utc> {
+        match *self.last.lock().unwrap() {
+            Some((at, arrived)) => {
+                at + chrono::Duration::from_std(arrived.elapsed())
+                    .unwrap_or_else(|_| chrono::Duration::zero())
+            }
+            None => self.clock.now_utc(),
+        }
     }
 }

@@ -5,15 +5,47 @@
 //! released, and their late grant answers are never credited. The
 //! agent's epoch itself is [`crate::identity`]'s.
 
-use crate::app::AppState;
+use crate::app::App;
 use crate::breaker::backoff;
+use crate::client::AllocatorClient;
+use crate::config::Settings;
+use crate::identity::Identity;
 use crate::quotas::Quotas;
 use crate::scripts;
 use crate::store::Store;
+use quota_shared::prom::Registry;
+use std::sync::Arc;
 use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+/// What the registration task uses of the agent's state.
+pub struct Registrar {
+    pub settings: Arc<Settings>,
+    pub ident: Arc<Identity>,
+    pub alloc: Arc<AllocatorClient>,
+    pub store: Store,
+    pub quotas: Arc<Quotas>,
+    pub metrics: Arc<Registry>,
+    pub cancel: CancellationToken,
+}
+
+impl Registrar {
+    /// The registration's handles on `app`'s parts.
+    pub fn of(app: &App) -> Registrar {
+        Registrar {
+            settings: app.settings.clone(),
+            ident: app.ident.clone(),
+            alloc: app.alloc.clone(),
+            store: app.store.clone(),
+            quotas: app.quotas.clone(),
+            metrics: app.metrics.clone(),
+            cancel: app.cancel.clone(),
+        }
+    }
+}
 
 /// Registers at start and whenever asked, with capped backoff.
-pub async fn run(app: AppState) {
+pub async fn run(app: Registrar) {
     let mut failures = 0u32;
     loop {
         let due = app.ident.epoch() == 0 || app.ident.take_request();

@@ -3,8 +3,14 @@
 //! `/v1/status` (per quota: lease tokens left, their
 //! remaining life, demand, mode, allocator reachability, epoch).
 
-use crate::app::AppState;
-use axum::extract::State;
+use crate::app::{AllocatorClock, AppState};
+use crate::client::AllocatorClient;
+use crate::guard::Guard;
+use crate::identity::Identity;
+use crate::keys::Keys;
+use crate::quotas::{Quotas, Unknown};
+use crate::store::Store;
+use axum::extract::{FromRef, State};
 use axum::http::{header, StatusCode};
 use axum::response::IntoResponse;
 use axum::routing::get;
@@ -12,6 +18,63 @@ use axum::{Json, Router};
 use quota_shared::openapi::IdentifierPatterns;
 use quota_shared::prom::Registry;
 use serde_json::json;
+use std::sync::Arc;
+
+/// What `/readyz` reads: the eviction-policy verdict and the store.
+#[derive(Clone)]
+pub struct Readiness {
+    pub guard: Arc<Guard>,
+    pub store: Store,
+}
+
+impl FromRef<AppState> for Readiness {
+    fn from_ref(app: &AppState) -> Self {
+        Readiness { guard: app.guard.clone(), store: app.store.clone() }
+    }
+}
+
+/// What `/v1/status` and `/metrics` read: who the agent is, its quotas,
+/// the allocator's and the store's state, and the region's dead letters.
+#[derive(Clone)]
+pub struct StatusView {
+    pub region: String,
+    pub agent: String,
+    pub keys: Keys,
+    pub store: Store,
+    pub alloc: Arc<AllocatorClient>,
+    pub alloc_clock: Arc<AllocatorClock>,
+    pub quotas: Arc<Quotas>,
+    pub unknown: Arc<Unknown>,
+    pub ident: Arc<Identity>,
+    pub metrics: Arc<Registry>,
+}
+
+impl FromRef<AppState> for StatusView {
+    fn from_ref(app: &AppState) -> Self {
+        StatusView {
+            region: app.settings.region.clone(),
+            agent: app.settings.agent.clone(),
+            keys: app.keys.clone(),
+            store: app.store.clone(),
+            alloc: app.alloc.clone(),
+            alloc_clock: app.alloc_clock.clone(),
+            quotas: app.quotas.clone(),
+            unknown: app.unknown.clone(),
+            ident: app.ident.clone(),
+            metrics: app.metrics.clone(),
+        }
+    }
+}
+
+impl StatusView {
+    /// The region's dead letters: their count and the newest `n`.
+    async fn dead_letters(
+        &self,
+        n: isize,
+    ) -> Result<(i64, Vec<serde_json::Value>), crate::store::StoreError> {
+        crate::outbox::dead_letters(&self.store, &self.keys, &self.region, n).await
+    }
+}
 
 /// Routes of this module.
 pub fn router() -> Router<AppState> {
@@ -114,7 +177,7 @@ pub fn describe(m: &Registry) {
     ),
     tag = "agent"
 )]
-pub(crate) async fn readyz(State(app): State<AppState>) -> impl IntoResponse {
+pub(crate) async fn readyz(State(app): State<Readiness>) -> impl IntoResponse {
     if let Some(reason) = app.guard.refusal() {
         (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"error": "store_unavailable", "message": reason})))
     } else if app.store.ping().await {
@@ -135,16 +198,17 @@ pub(crate) async fn readyz(State(app): State<AppState>) -> impl IntoResponse {
     responses((status = 200, description = "Prometheus text format", content_type = "text/plain")),
     tag = "agent"
 )]
-pub(crate) async fn metrics(State(app): State<AppState>) -> impl IntoResponse {
-    app.metrics.set("agent_allocator_reachable", &[], if app.allocator_reachable() { 1.0 } else { 0.0 });
+pub(crate) async fn metrics(State(app): State<StatusView>) -> impl IntoResponse {
+    let reachable = app.alloc.breaker.reachable();
+    app.metrics.set("agent_allocator_reachable", &[], if reachable { 1.0 } else { 0.0 });
     app.metrics.set("agent_quotas", &[], app.quotas.len() as f64);
     app.metrics.set("agent_unknown_quota_names", &[], app.unknown.len() as f64);
-    if let Ok((n, _)) = crate::outbox::dead_letters(&app, 0).await {
+    if let Ok((n, _)) = app.dead_letters(0).await {
         app.metrics.set("agent_outbox_dead_letters", &[], n as f64);
     }
-    let who = crate::gauges::Identity { region: &app.settings.region, agent: &app.settings.agent };
-    let offset = app.allocator_clock_offset();
-    crate::gauges::refresh(&app.metrics, who, &app.quotas, app.allocator_reachable(), offset);
+    let who = crate::gauges::Identity { region: &app.region, agent: &app.agent };
+    let offset = app.alloc_clock.offset();
+    crate::gauges::refresh(&app.metrics, who, &app.quotas, reachable, offset);
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], app.metrics.render())
 }
 
@@ -155,8 +219,8 @@ pub(crate) async fn metrics(State(app): State<AppState>) -> impl IntoResponse {
     responses((status = 200, description = "{region, agent, epoch, allocator_reachable, allocator_error (why the allocator counts as unreachable, e.g. a TLS failure; null while it answers), redis_error (why the region's Redis cannot be used: refused, timed out, TLS handshake failed; null while it answers), dead_letters (entries in the region's dead-letter list; null when Redis cannot be read), recent_dead_letters (the newest 10: tenant, resource, agent, entry, status, error, message, at), quotas: [{tenant, resource, lease_tokens, expires_in_ms, demand_per_sec, mode, ...}]}")),
     tag = "agent"
 )]
-pub(crate) async fn status(State(app): State<AppState>) -> impl IntoResponse {
-    let reachable = app.allocator_reachable();
+pub(crate) async fn status(State(app): State<StatusView>) -> impl IntoResponse {
+    let reachable = app.alloc.breaker.reachable();
     let quotas: Vec<_> = app
         .quotas
         .all()
@@ -183,7 +247,7 @@ pub(crate) async fn status(State(app): State<AppState>) -> impl IntoResponse {
             })
         })
         .collect();
-    let (dead, recent) = match crate::outbox::dead_letters(&app, 10).await {
+    let (dead, recent) = match app.dead_letters(10).await {
         Ok((n, recent)) => {
             app.metrics.set("agent_outbox_dead_letters", &[], n as f64);
             (Some(n), recent)
@@ -191,10 +255,10 @@ pub(crate) async fn status(State(app): State<AppState>) -> impl IntoResponse {
         Err(_) => (None, Vec::new()),
     };
     Json(json!({
-        "region": app.settings.region,
+        "region": app.region,
         "dead_letters": dead,
         "recent_dead_letters": recent,
-        "agent": app.settings.agent,
+        "agent": app.agent,
         "epoch": app.ident.epoch(),
         "allocator_reachable": reachable,
         "allocator_error": app.alloc.last_error(),

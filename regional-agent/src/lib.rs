@@ -10,8 +10,15 @@
 //!
 //! * [`config`]: flags and environment variables.
 //! * [`app`]: the state the handlers and tasks share (`App`); it knows no
-//!   handler or task, and each takes the parts it uses. This root module
-//!   wires them: the router, the tasks, start-up and shutdown.
+//!   handler or task, and each takes the parts it uses. `App` owns every
+//!   part as a shared handle; a handler's state is an axum sub-state
+//!   (`FromRef<AppState>`: [`health::StatusView`], [`health::Readiness`]),
+//!   a task's a named struct of the handles it uses ([`renew::Renewer`],
+//!   [`outbox::OutboxParts`], [`epoch::Registrar`],
+//!   [`status_report::Reporter`]). Only the acquire path takes the whole
+//!   `App`: it uses every part and creates quotas, whose renewers join
+//!   `App`'s task list. This root module wires them: the router, the
+//!   tasks, start-up and shutdown.
 //! * [`keys`]: the one audited key function (hash-tagged, length-prefixed):
 //!   every Redis key name the Rust side uses, and the keys' TTL.
 //! * [`scripts`]: the agent's Redis contract, the only place that knows each
@@ -184,7 +191,9 @@ pub mod status_report;
 pub mod store;
 
 pub use crate::app::{App, AppState};
-use crate::outbox::Outboxes;
+use crate::epoch::Registrar;
+use crate::outbox::{OutboxParts, Outboxes};
+use crate::status_report::Reporter;
 use axum::extract::{DefaultBodyLimit, MatchedPath, Request};
 use axum::response::Response;
 use axum::Router;
@@ -313,21 +322,22 @@ pub async fn run(
     // Read the eviction policy before serving, so a correctly configured
     // Redis admits from the first request (see `guard`).
     guard::check(&app.store, &app.guard, &app.metrics).await;
-    outbox::heartbeat(&app).await;
+    // Each task gets handles on the parts it uses; `app` keeps owning them.
+    let outbox_parts = OutboxParts::of(&app);
+    outbox::heartbeat(&outbox_parts).await;
     // The outbox's own state (adopted identities, retries), shared by its
     // task and the final drain.
     let outboxes = Arc::new(Outboxes::default());
     app.spawn({
-        let app = app.clone();
-        async move {
-            guard::run(&app.store, &app.guard, &app.metrics, app.settings.redis_policy_check, &app.cancel)
-                .await
-        }
+        let (store, guard, metrics, cancel) =
+            (app.store.clone(), app.guard.clone(), app.metrics.clone(), app.cancel.clone());
+        let every = app.settings.redis_policy_check;
+        async move { guard::run(&store, &guard, &metrics, every, &cancel).await }
     });
-    app.spawn(epoch::run(app.clone()));
-    app.spawn(outbox::run(app.clone(), outboxes.clone()));
+    app.spawn(epoch::run(Registrar::of(&app)));
+    app.spawn(outbox::run(outbox_parts.clone(), outboxes.clone()));
     if let Some(every) = app.settings.status_interval {
-        app.spawn(status_report::run(app.clone(), every));
+        app.spawn(status_report::run(Reporter::of(&app), every));
     }
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let mut server = tokio::spawn(
@@ -361,9 +371,10 @@ pub async fn run(
             a.abort();
         }
     }
-    let left = tokio::time::timeout(SHUTDOWN_DRAIN, outbox::final_drain(&app, &outboxes, SHUTDOWN_DRAIN))
-        .await
-        .unwrap_or(-1);
+    let left =
+        tokio::time::timeout(SHUTDOWN_DRAIN, outbox::final_drain(&outbox_parts, &outboxes, SHUTDOWN_DRAIN))
+            .await
+            .unwrap_or(-1);
     if left == 0 {
         tracing::info!("agent stopped; outbox drained");
     } else {

@@ -32,17 +32,24 @@
 //! (401/403 during a token rotation, 408, 413, 429, 5xx, a proxy's 404 with
 //! no error body) stays and is retried with backoff.
 
-use crate::app::AppState;
-use crate::client::CallError;
+use crate::app::App;
+use crate::client::{AllocatorClient, CallError};
+use crate::config::Settings;
+use crate::fallback::LocalFallback;
+use crate::fleet_counts::FleetStatus;
+use crate::identity::Identity;
 use crate::keys::{Keys, COUNTER_TTL_MS};
+use crate::quotas::Quotas;
 use crate::scripts;
-use crate::store::StoreError;
+use crate::store::{Store, StoreError};
 use chrono::{TimeZone, Utc};
+use quota_shared::prom::Registry;
 use quota_shared::wire::{ReleaseRequest, ReportItem, ReportRequest};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use tokio_util::sync::CancellationToken;
 
 /// Most entries one agent's outbox of one quota holds before cutting pauses.
 pub const MAX_OUTBOX: i64 = 64;
@@ -122,6 +129,43 @@ fn split_id(rid: &str, i: usize) -> String {
 }
 
 /// Adopted identities of dead agents and the outbox's retry state.
+/// What the outbox uses of the agent's state: nearly all of it (it reads
+/// the quotas, sends through the allocator client under the agent's
+/// identity, reports the local fallback's admits and feeds the metrics and
+/// the fleet status), but not the request path's parts (guard, negative
+/// cache, clocks, the task list).
+#[derive(Clone)]
+pub struct OutboxParts {
+    pub settings: Arc<Settings>,
+    pub keys: Keys,
+    pub store: Store,
+    pub alloc: Arc<AllocatorClient>,
+    pub quotas: Arc<Quotas>,
+    pub ident: Arc<Identity>,
+    pub metrics: Arc<Registry>,
+    pub local: Arc<LocalFallback>,
+    pub fleet_status: Arc<FleetStatus>,
+    pub cancel: CancellationToken,
+}
+
+impl OutboxParts {
+    /// The outbox's handles on `app`'s parts.
+    pub fn of(app: &App) -> OutboxParts {
+        OutboxParts {
+            settings: app.settings.clone(),
+            keys: app.keys.clone(),
+            store: app.store.clone(),
+            alloc: app.alloc.clone(),
+            quotas: app.quotas.clone(),
+            ident: app.ident.clone(),
+            metrics: app.metrics.clone(),
+            local: app.local.clone(),
+            fleet_status: app.fleet_status.clone(),
+            cancel: app.cancel.clone(),
+        }
+    }
+}
+
 #[derive(Default)]
 pub struct Outboxes {
     /// Dead agent id → (epoch registered for it, when its outboxes were
@@ -143,7 +187,7 @@ struct Sender {
 }
 
 /// Cuts and drains every `interval` until cancelled.
-pub async fn run(app: AppState, ob: Arc<Outboxes>) {
+pub async fn run(app: OutboxParts, ob: Arc<Outboxes>) {
     let mut round = 0u32;
     loop {
         let retries = *ob.retries.lock().unwrap();
@@ -166,7 +210,7 @@ pub async fn run(app: AppState, ob: Arc<Outboxes>) {
 }
 
 /// Refreshes this agent's liveness key and lists it in the region's set.
-pub async fn heartbeat(app: &AppState) {
+pub async fn heartbeat(app: &OutboxParts) {
     let (region, agent) = (&app.settings.region, &app.settings.agent);
     let ttl = live_ttl(app.settings.outbox_interval).as_millis() as u64;
     let _: Result<Option<String>, _> = app
@@ -181,7 +225,7 @@ pub async fn heartbeat(app: &AppState) {
 
 /// Repeats rounds until every outbox is empty or `deadline` passes (at
 /// shutdown). Returns the entries left.
-pub async fn final_drain(app: &AppState, ob: &Outboxes, deadline: Duration) -> i64 {
+pub async fn final_drain(app: &OutboxParts, ob: &Outboxes, deadline: Duration) -> i64 {
     let until = Instant::now() + deadline;
     loop {
         let left = drain_all(app, ob, Some(until)).await;
@@ -198,7 +242,7 @@ pub async fn final_drain(app: &AppState, ob: &Outboxes, deadline: Duration) -> i
 /// quotas and Redis gone, one timeout per quota would hold a shutdown for
 /// minutes.
 #[tracing::instrument(skip_all)]
-pub async fn drain_all(app: &AppState, ob: &Outboxes, until: Option<Instant>) -> i64 {
+pub async fn drain_all(app: &OutboxParts, ob: &Outboxes, until: Option<Instant>) -> i64 {
     let epoch = app.ident.epoch();
     if epoch == 0 {
         return 1;
@@ -255,7 +299,7 @@ pub async fn drain_all(app: &AppState, ob: &Outboxes, until: Option<Instant>) ->
 /// entries left in it.
 #[tracing::instrument(skip_all, fields(tenant = tenant, resource = resource, agent = %s.owner))]
 async fn drain_list(
-    app: &AppState,
+    app: &OutboxParts,
     state: &Outboxes,
     prefix: &str,
     tenant: &str,
@@ -342,7 +386,7 @@ fn refusal(result: &Result<(), CallError>) -> (u16, String, String) {
 
 /// A stale epoch: this agent registers again; an adopted identity is
 /// dropped (the dead agent came back, or another adopter took over).
-fn stale(app: &AppState, state: &Outboxes, s: &Sender) {
+fn stale(app: &OutboxParts, state: &Outboxes, s: &Sender) {
     if s.owner == app.settings.agent {
         app.ident.request_register();
     } else {
@@ -351,7 +395,13 @@ fn stale(app: &AppState, state: &Outboxes, s: &Sender) {
 }
 
 /// Sends one entry.
-async fn send(app: &AppState, tenant: &str, resource: &str, s: &Sender, e: &Entry) -> Result<(), CallError> {
+async fn send(
+    app: &OutboxParts,
+    tenant: &str,
+    resource: &str,
+    s: &Sender,
+    e: &Entry,
+) -> Result<(), CallError> {
     match e {
         Entry::Release { id, u } => {
             app.alloc.release(id, &ReleaseRequest { epoch: s.release_epoch, unspent: *u }).await.map(|_| ())
@@ -381,7 +431,7 @@ async fn send(app: &AppState, tenant: &str, resource: &str, s: &Sender, e: &Entr
 /// Puts a refused entry on the region's dead-letter list.
 #[allow(clippy::too_many_arguments)]
 async fn dead_letter(
-    app: &AppState,
+    app: &OutboxParts,
     tenant: &str,
     resource: &str,
     owner: &str,
@@ -419,18 +469,23 @@ async fn dead_letter(
 }
 
 /// The region's dead letters: how many, and the newest `n`.
-pub async fn dead_letters(app: &AppState, n: isize) -> Result<(i64, Vec<serde_json::Value>), StoreError> {
-    let key = app.keys.region_dead_letters(&app.settings.region);
-    let count: i64 = app.store.cmd(redis::cmd("LLEN").arg(&key)).await?;
+pub async fn dead_letters(
+    store: &Store,
+    keys: &Keys,
+    region: &str,
+    n: isize,
+) -> Result<(i64, Vec<serde_json::Value>), StoreError> {
+    let key = keys.region_dead_letters(region);
+    let count: i64 = store.cmd(redis::cmd("LLEN").arg(&key)).await?;
     if n <= 0 || count == 0 {
         return Ok((count, Vec::new()));
     }
-    let recent: Vec<String> = app.store.cmd(redis::cmd("LRANGE").arg(&key).arg(0).arg(n - 1)).await?;
+    let recent: Vec<String> = store.cmd(redis::cmd("LRANGE").arg(&key).arg(0).arg(n - 1)).await?;
     Ok((count, recent.iter().filter_map(|r| serde_json::from_str(r).ok()).collect()))
 }
 
 /// Sends what agents of the region that are gone left in their outboxes.
-async fn adopt(app: &AppState, ob: &Outboxes) {
+async fn adopt(app: &OutboxParts, ob: &Outboxes) {
     let (region, me) = (&app.settings.region, &app.settings.agent);
     let set = app.keys.region_agents(region);
     let Ok(agents) =
@@ -456,7 +511,7 @@ async fn adopt(app: &AppState, ob: &Outboxes) {
     }
 }
 
-async fn adopt_one(app: &AppState, ob: &Outboxes, dead: &str) -> Result<(), StoreError> {
+async fn adopt_one(app: &OutboxParts, ob: &Outboxes, dead: &str) -> Result<(), StoreError> {
     let region = &app.settings.region;
     let quota_set = app.keys.agent_quotas(region, dead);
     let quotas: Vec<String> =
@@ -514,7 +569,7 @@ async fn adopt_one(app: &AppState, ob: &Outboxes, dead: &str) -> Result<(), Stor
 
 /// The epoch this agent holds for a dead agent's identity, registering for
 /// it the first time.
-async fn adopted_epoch(app: &AppState, ob: &Outboxes, dead: &str) -> Option<i64> {
+async fn adopted_epoch(app: &OutboxParts, ob: &Outboxes, dead: &str) -> Option<i64> {
     {
         let mut a = ob.adopted.lock().unwrap();
         let full = a.len() >= MAX_ADOPTED;
@@ -541,7 +596,7 @@ async fn adopted_epoch(app: &AppState, ob: &Outboxes, dead: &str) -> Option<i64>
     }
 }
 
-async fn drain_local(app: &AppState, epoch: i64) -> i64 {
+async fn drain_local(app: &OutboxParts, epoch: i64) -> i64 {
     let pending = app.local.pending();
     let mut left = 0;
     for p in pending {

@@ -12,19 +12,24 @@
 //! `allocator_now = expires_at − expires_in_ms` is read from the answer
 //! itself, so only the allocator's clock is ever subtracted from itself.
 
-use crate::app::AppState;
+use crate::app::{AllocatorClock, App};
 use crate::breaker::backoff;
-use crate::client::CallError;
+use crate::client::{AllocatorClient, CallError};
+use crate::config::Settings;
+use crate::identity::Identity;
 use crate::keys::Keys;
 use crate::plan::{self, PlanInput};
-use crate::quotas::{Quota, IDLE_EVICT};
+use crate::quotas::{Quota, Quotas, Unknown, IDLE_EVICT};
 use crate::scripts::{self, Caller, Credit, Lease, On, Outcome, View, ViewArgs};
-use crate::store::StoreError;
+use crate::store::{Store, StoreError};
+use quota_shared::clock::Clock;
+use quota_shared::prom::Registry;
 use quota_shared::window::Window;
 use quota_shared::wire::{GrantRequest, GrantResponse, WindowSel};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use tokio_util::sync::CancellationToken;
 
 /// Taken off every lease's life for the Redis round trip of the credit.
 const SAFETY_MS: i64 = 5;
@@ -52,27 +57,65 @@ fn heal_backoff(q: &Quota, not_before: Option<Instant>, reachable: bool) -> Opti
     not_before
 }
 
+/// What a quota's renewer uses of the agent's state: not the request
+/// path's guard, local fallback or fleet counts, nor the task list.
+#[derive(Clone)]
+pub struct Renewer {
+    pub settings: Arc<Settings>,
+    pub keys: Keys,
+    pub store: Store,
+    pub alloc: Arc<AllocatorClient>,
+    /// Observed on every credited grant (I8).
+    pub alloc_clock: Arc<AllocatorClock>,
+    pub clock: Arc<dyn Clock>,
+    pub quotas: Arc<Quotas>,
+    /// A 404 puts the quota's name here.
+    pub unknown: Arc<Unknown>,
+    pub ident: Arc<Identity>,
+    pub metrics: Arc<Registry>,
+    pub cancel: CancellationToken,
+}
+
+impl Renewer {
+    /// A renewer's handles on `app`'s parts.
+    pub fn of(app: &App) -> Renewer {
+        Renewer {
+            settings: app.settings.clone(),
+            keys: app.keys.clone(),
+            store: app.store.clone(),
+            alloc: app.alloc.clone(),
+            alloc_clock: app.alloc_clock.clone(),
+            clock: app.clock.clone(),
+            quotas: app.quotas.clone(),
+            unknown: app.unknown.clone(),
+            ident: app.ident.clone(),
+            metrics: app.metrics.clone(),
+            cancel: app.cancel.clone(),
+        }
+    }
+}
+
 /// The quota, created (with its renewer) on first use; `None` when
 /// [`crate::quotas::MAX_LEARNING`] quotas are still learning their policy.
-pub fn quota(app: &AppState, tenant: &str, resource: &str) -> Option<Arc<Quota>> {
+pub fn quota(app: &App, tenant: &str, resource: &str) -> Option<Arc<Quota>> {
     quota_of(app, tenant, resource, false)
 }
 
 /// [`quota`]; `known` for a quota of the agent's quota set (see
 /// [`crate::quotas::Quotas::get_or_create`]).
-pub(crate) fn quota_of(app: &AppState, tenant: &str, resource: &str, known: bool) -> Option<Arc<Quota>> {
+pub(crate) fn quota_of(app: &App, tenant: &str, resource: &str, known: bool) -> Option<Arc<Quota>> {
     let first = if app.region_fresh.load(Ordering::SeqCst) { "?" } else { "" };
     let (q, created) =
         app.quotas.get_or_create(tenant, resource, || app.keys.quota(tenant, resource), first, known)?;
     if created {
-        app.spawn(run(app.clone(), q.clone()));
+        app.spawn(run(Renewer::of(app), q.clone()));
     }
     Some(q)
 }
 
 /// The renew task of one quota; it ends when the quota leaves the registry
 /// (idle, or unknown to the allocator).
-pub async fn run(app: AppState, q: Arc<Quota>) {
+pub async fn run(app: Renewer, q: Arc<Quota>) {
     let registry = app.keys.agent_quotas(&app.settings.region, &app.settings.agent);
     let member = format!("{}/{}", q.tenant, q.resource);
     let mut registered = false;
@@ -114,7 +157,7 @@ pub async fn run(app: AppState, q: Arc<Quota>) {
 /// Takes an idle quota out of the registry when nothing of it is left for
 /// this agent to do: no live or pending lease in the region's balance and
 /// an empty outbox (counts not yet cut would be cut into it first).
-async fn retire_if_idle(app: &AppState, q: &Arc<Quota>, registry: &str, member: &str) -> bool {
+async fn retire_if_idle(app: &Renewer, q: &Arc<Quota>, registry: &str, member: &str) -> bool {
     let v = *q.view.lock().unwrap();
     if v.available > 0 || v.pending > 0 {
         return false;
@@ -136,7 +179,7 @@ async fn retire_if_idle(app: &AppState, q: &Arc<Quota>, registry: &str, member: 
 /// Runs the view script: sweeps expired leases, reads balance and demand;
 /// tokens count as lasting in leases with at least `lasting_ms` to live.
 /// `None` when the quota's state changed incarnation (settled).
-async fn view(app: &AppState, q: &Quota, lasting_ms: i64) -> Result<Option<(View, i64)>, StoreError> {
+async fn view(app: &Renewer, q: &Quota, lasting_ms: i64) -> Result<Option<(View, i64)>, StoreError> {
     let (window_secs, allowance) =
         q.policy().map(|p| (p.window_secs, p.fallback_allowance)).unwrap_or((1, 0));
     let token = q.token();
@@ -153,7 +196,7 @@ async fn view(app: &AppState, q: &Quota, lasting_ms: i64) -> Result<Option<(View
 /// One round of the renewer: look at the balance, then grant what
 /// [`plan::plan`] says.
 #[tracing::instrument(skip_all, fields(tenant = %q.tenant, resource = %q.resource))]
-async fn renew_once(app: &AppState, q: &Arc<Quota>) -> Result<(), StoreError> {
+async fn renew_once(app: &Renewer, q: &Arc<Quota>) -> Result<(), StoreError> {
     if q.policy().is_none() {
         return learn(app, q).await;
     }
@@ -200,7 +243,7 @@ async fn renew_once(app: &AppState, q: &Arc<Quota>) -> Result<(), StoreError> {
         (r.not_before, r.prefetched, r.next_not_before)
     };
     let now_i = Instant::now();
-    let not_before = heal_backoff(q, not_before, app.allocator_reachable());
+    let not_before = heal_backoff(q, not_before, app.alloc.breaker.reachable());
     if not_before.is_some_and(|t| now_i < t) || app.alloc.breaker.is_open() {
         if waiting {
             q.renewed.notify_waiters();
@@ -243,7 +286,7 @@ async fn renew_once(app: &AppState, q: &Arc<Quota>) -> Result<(), StoreError> {
 /// (404: the quota leaves the registry, see [`grant`]). Replicas learning
 /// together each ask for one token: no lock, so no key for a name that
 /// may not exist.
-async fn learn(app: &AppState, q: &Arc<Quota>) -> Result<(), StoreError> {
+async fn learn(app: &Renewer, q: &Arc<Quota>) -> Result<(), StoreError> {
     if !q.waiting.load(Ordering::SeqCst) {
         return Ok(());
     }
@@ -252,7 +295,7 @@ async fn learn(app: &AppState, q: &Arc<Quota>) -> Result<(), StoreError> {
         let _ = tokio::time::timeout(app.settings.allocator_timeout, n).await;
     }
     let nb = q.renew.lock().unwrap().not_before;
-    let blocked = heal_backoff(q, nb, app.allocator_reachable()).is_some_and(|t| Instant::now() < t);
+    let blocked = heal_backoff(q, nb, app.alloc.breaker.reachable()).is_some_and(|t| Instant::now() < t);
     if app.ident.epoch() == 0 || blocked || app.alloc.breaker.is_open() {
         q.renewed.notify_waiters();
         return Ok(());
@@ -263,9 +306,9 @@ async fn learn(app: &AppState, q: &Arc<Quota>) -> Result<(), StoreError> {
 
 /// Runs `f` while holding the quota's renew lock; skips it when another
 /// replica holds the lock (it is renewing the shared balance).
-async fn with_lock<F, Fut>(app: &AppState, q: &Arc<Quota>, f: F) -> Result<bool, StoreError>
+async fn with_lock<F, Fut>(app: &Renewer, q: &Arc<Quota>, f: F) -> Result<bool, StoreError>
 where
-    F: FnOnce(AppState, Arc<Quota>) -> Fut,
+    F: FnOnce(Renewer, Arc<Quota>) -> Fut,
     Fut: std::future::Future<Output = ()>,
 {
     let lock = Keys::renew_lock(&q.prefix);
@@ -282,7 +325,7 @@ where
 }
 
 /// One grant request and what follows from its answer.
-async fn grant(app: &AppState, q: &Arc<Quota>, sel: WindowSel, want: i64, rate: f64) {
+async fn grant(app: &Renewer, q: &Arc<Quota>, sel: WindowSel, want: i64, rate: f64) {
     let retry = q.renew.lock().unwrap().unanswered.take().filter(|(p, first)| {
         p.window == Some(sel) && p.epoch == app.ident.epoch() && first.elapsed() < RESEND_UNANSWERED_FOR
     });
@@ -369,7 +412,7 @@ async fn grant(app: &AppState, q: &Arc<Quota>, sel: WindowSel, want: i64, rate: 
         }
     };
     app.metrics.inc("agent_renewals_total", &[("result", outcome)]);
-    app.metrics.set("agent_allocator_reachable", &[], if app.allocator_reachable() { 1.0 } else { 0.0 });
+    app.metrics.set("agent_allocator_reachable", &[], if app.alloc.breaker.reachable() { 1.0 } else { 0.0 });
     crate::quotas::clear_waiting(q);
     q.renewed.notify_waiters();
 }
@@ -377,7 +420,7 @@ async fn grant(app: &AppState, q: &Arc<Quota>, sel: WindowSel, want: i64, rate: 
 /// Credits a granted lease into the region's balance (or marks the pool
 /// exhausted when it carried no tokens).
 async fn credit(
-    app: &AppState,
+    app: &Renewer,
     q: &Quota,
     sel: WindowSel,
     g: &GrantResponse,
@@ -401,7 +444,7 @@ async fn credit(
     let life_ms = g.expires_in_ms - sent.elapsed().as_millis() as i64 - SAFETY_MS;
     // The allocator's instant when it answered, read off the answer itself.
     let alloc_at = g.expires_at - chrono::Duration::milliseconds(g.expires_in_ms);
-    app.observe_allocator_time(alloc_at, arrived);
+    app.alloc_clock.observe(alloc_at, arrived);
     let alloc_now_ms = alloc_at.timestamp_millis() + arrived.elapsed().as_millis() as i64;
     let nb_ms = if sel == WindowSel::Next {
         let opens_in = (g.window_start - alloc_at).num_milliseconds() + 2;

@@ -17,13 +17,52 @@
 //! path's unknown names never make an entry), and entries of quotas that
 //! left the registry go at the next status.
 
-use crate::app::AppState;
-use crate::client::CallError;
-use crate::fleet_counts::WindowCounts;
+use crate::app::{AllocatorClock, App};
+use crate::client::{AllocatorClient, CallError};
+use crate::config::Settings;
+use crate::fleet_counts::{FleetStatus, WindowCounts};
+use crate::identity::Identity;
+use crate::keys::Keys;
+use crate::quotas::Quotas;
+use crate::store::Store;
 use quota_shared::prom::Registry;
 use quota_shared::window::Window;
 use quota_shared::wire::{AgentQuotaStatus, AgentStatusReport, QuotaMode};
 use std::collections::HashSet;
+use std::sync::Arc;
+use tokio_util::sync::CancellationToken;
+
+/// What the status task uses of the agent's state.
+pub struct Reporter {
+    pub settings: Arc<Settings>,
+    pub keys: Keys,
+    pub store: Store,
+    pub alloc: Arc<AllocatorClient>,
+    pub alloc_clock: Arc<AllocatorClock>,
+    pub quotas: Arc<Quotas>,
+    pub ident: Arc<Identity>,
+    pub metrics: Arc<Registry>,
+    pub fleet_status: Arc<FleetStatus>,
+    pub cancel: CancellationToken,
+}
+
+impl Reporter {
+    /// The status task's handles on `app`'s parts.
+    pub fn of(app: &App) -> Reporter {
+        Reporter {
+            settings: app.settings.clone(),
+            keys: app.keys.clone(),
+            store: app.store.clone(),
+            alloc: app.alloc.clone(),
+            alloc_clock: app.alloc_clock.clone(),
+            quotas: app.quotas.clone(),
+            ident: app.ident.clone(),
+            metrics: app.metrics.clone(),
+            fleet_status: app.fleet_status.clone(),
+            cancel: app.cancel.clone(),
+        }
+    }
+}
 
 /// Most quotas one status lists (the allocator's bound).
 pub const MAX_QUOTAS: usize = 200;
@@ -48,13 +87,13 @@ fn mode(name: &str) -> QuotaMode {
 }
 
 /// The status as of now; `None` before the first registration.
-pub async fn build(app: &AppState) -> Option<AgentStatusReport> {
+pub async fn build(app: &Reporter) -> Option<AgentStatusReport> {
     let epoch = app.ident.epoch();
     if epoch == 0 {
         return None;
     }
-    let reachable = app.allocator_reachable();
-    let now = app.allocator_now();
+    let reachable = app.alloc.breaker.reachable();
+    let now = app.alloc_clock.now();
     let held = app.quotas.all();
     let mut keys = HashSet::new();
     let mut quotas = Vec::new();
@@ -75,7 +114,10 @@ pub async fn build(app: &AppState) -> Option<AgentStatusReport> {
         });
     }
     app.fleet_status.retain(&keys);
-    let dead_letters = crate::outbox::dead_letters(app, 0).await.ok().map(|(n, _)| n);
+    let dead_letters = crate::outbox::dead_letters(&app.store, &app.keys, &app.settings.region, 0)
+        .await
+        .ok()
+        .map(|(n, _)| n);
     Some(AgentStatusReport {
         epoch,
         allocator_reachable: reachable,
@@ -96,7 +138,7 @@ pub fn describe(m: &Registry) {
 }
 
 /// Sends the status every `interval` until cancelled.
-pub async fn run(app: AppState, interval: std::time::Duration) {
+pub async fn run(app: Reporter, interval: std::time::Duration) {
     let mut last_error: Option<String> = None;
     loop {
         tokio::select! {
