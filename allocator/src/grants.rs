@@ -230,7 +230,7 @@ async fn grant_in_window(
     )
     .fetch_one(&mut *conn)
     .await?;
-    let (granted, returned) = (pool.granted, pool.returned);
+    let (granted, returned, owed) = (pool.granted, pool.returned, pool.fallback_owed);
     let region = sqlx::query_file!(
         "src/sql/pool_region_demand.sql",
         pool_key.0,
@@ -258,7 +258,7 @@ async fn grant_in_window(
     )
     .fetch_all(&mut *conn)
     .await?;
-    let available = policy.limit_tokens - (granted - returned);
+    let available = share::available(policy.limit_tokens, granted, returned, owed);
     let tokens = share::tokens(&ShareInput {
         want: req.want,
         demand_per_sec: req.demand_per_sec,
@@ -276,7 +276,7 @@ async fn grant_in_window(
     let expires_at = (life_from + Duration::seconds(policy.lease_ttl_secs)).min(window.end_at());
     let retry_after_ms = (tokens == 0).then(|| window.ms_until_end(now).clamp(1, MAX_RETRY_AFTER_MS));
     let pool_granted = granted + tokens;
-    let pool_available = (policy.limit_tokens - (pool_granted - returned)).max(0);
+    let pool_available = share::available(policy.limit_tokens, pool_granted, returned, owed);
     // The binds in the order of lease_insert.sql's column list.
     let row = sqlx::query_file_as!(
         LeaseRow,

@@ -249,6 +249,25 @@ async fn apply_item(
         )
         .execute(&mut *tx)
         .await?;
+        // Fallback admits reported while the window is open are repaid from
+        // its pool: later grants share only what is left, so the window
+        // overshoots its limit only by what the pool had already granted
+        // while the region was cut off. A closed window's pool grants
+        // nothing more, so there its fallback is only accounted. Before the
+        // region row: grants lock the pool row first, so must reports.
+        let open = start + window_secs > now.timestamp();
+        if open && item.fallback_admitted > 0 {
+            sqlx::query_file!(
+                "src/sql/pool_fallback_owed.sql",
+                item.tenant,
+                item.resource,
+                start,
+                window_secs,
+                item.fallback_admitted
+            )
+            .execute(&mut *tx)
+            .await?;
+        }
         sqlx::query_file!(
             "src/sql/pool_region_report.sql",
             item.tenant,

@@ -29,11 +29,26 @@ pub struct ShareInput<'a> {
     pub chunk_max: i64,
     /// The pool's limit in force.
     pub limit: i64,
-    /// `limit − (granted − returned)`, may be ≤ 0 after a lowered limit.
+    /// What the pool can still grant, see [`available`].
     pub available: i64,
     /// This region's `granted − returned` in the window so far.
     pub region_holding: i64,
     pub others: &'a [OtherRegion],
+}
+
+/// What a pool can still grant: its limit less the tokens out in leases
+/// (`granted − returned`) and the fallback admits reported while the window
+/// was open (`fallback_owed`), which were spent from the same limit. Never
+/// below 0 (a lowered limit, or a pool spent before the fallback report).
+pub fn available(limit: i64, granted: i64, returned: i64, fallback_owed: i64) -> i64 {
+    (limit - (granted - returned) - fallback_owed).max(0)
+}
+
+/// How much of `fallback_owed` the pool covered: what was left of the limit
+/// besides the tokens out in leases. The rest is the overshoot that fallback
+/// caused, which I6 bounds by the regions' allowances.
+pub fn fallback_repaid(limit: i64, granted: i64, returned: i64, fallback_owed: i64) -> i64 {
+    fallback_owed.min((limit - (granted - returned)).max(0))
 }
 
 /// Tokens to put into the lease.
@@ -76,6 +91,22 @@ mod tests {
             region_holding: holding,
             others,
         }
+    }
+
+    #[test]
+    fn fallback_reported_while_open_is_taken_from_the_pool() {
+        // 1000, 300 out in leases, 200 admitted from fallback: 500 left.
+        assert_eq!(available(1000, 400, 100, 200), 500);
+        assert_eq!(fallback_repaid(1000, 400, 100, 200), 200);
+        // The pool was spent before the report: nothing left, nothing repaid.
+        assert_eq!(available(1000, 1000, 0, 200), 0);
+        assert_eq!(fallback_repaid(1000, 1000, 0, 200), 0);
+        // Partly spent: the pool covers what it had left.
+        assert_eq!(available(1000, 900, 0, 200), 0);
+        assert_eq!(fallback_repaid(1000, 900, 0, 200), 100);
+        // A lowered limit below what is out: never negative.
+        assert_eq!(available(500, 800, 0, 0), 0);
+        assert_eq!(fallback_repaid(500, 800, 0, 50), 0);
     }
 
     #[test]

@@ -5,6 +5,7 @@
 use crate::http::extract::{check_id, ApiPath, ApiQuery};
 use crate::ledger::parse_time;
 use crate::policies;
+use crate::share;
 use crate::{AppState, Error, Result};
 use axum::extract::State;
 use axum::routing::get;
@@ -67,6 +68,10 @@ pub struct WindowAccount {
     pub returned: i64,
     pub consumed: i64,
     pub fallback_admitted: i64,
+    /// Of the fallback admits reported while the window was open, what its
+    /// pool covered (later grants shared only the rest); `overshoot` is at
+    /// most `fallback_admitted − fallback_repaid`.
+    pub fallback_repaid: i64,
     pub admitted: i64,
     pub overshoot: i64,
     pub bound: i64,
@@ -96,6 +101,7 @@ struct Row {
     fallback_per_region: i64,
     granted: i64,
     returned: i64,
+    fallback_owed: i64,
     region: Option<String>,
     r_granted: Option<i64>,
     r_returned: Option<i64>,
@@ -182,6 +188,12 @@ pub async fn accounts(
                 returned: r.returned,
                 consumed: 0,
                 fallback_admitted: 0,
+                fallback_repaid: share::fallback_repaid(
+                    r.limit_tokens,
+                    r.granted,
+                    r.returned,
+                    r.fallback_owed,
+                ),
                 admitted: 0,
                 overshoot: 0,
                 bound: 0,

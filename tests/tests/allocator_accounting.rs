@@ -121,6 +121,91 @@ async fn reports_apply_exactly_once_and_window_accounting_shows_the_bound() {
     assert_eq!(win["regions"]["eu"]["consumed"], 600);
 }
 
+/// A clocked allocator with `atlas/read` at limit 1000 per 60 s window,
+/// 100 fallback per region, inside the window 10:00; `eu` and `us` registered.
+async fn fallback_window() -> (quota_tests::pg::TestDb, TestAllocator, Http, i64, i64) {
+    let db = quota_tests::pg::TestDb::start().await;
+    let clock = Arc::new(OffsetClock::default());
+    clock.set_now(at("2026-12-02T10:00:10Z"));
+    let alloc =
+        TestAllocator::spawn_with(&db.url, Options { clock: Some(clock.clone()), ..Default::default() })
+            .await;
+    let http = Http::new(&alloc.base);
+    put_policy(
+        &http,
+        "atlas",
+        "read",
+        json!({"limit": 1000, "window_secs": 60, "chunk_max": 500, "fallback_per_region": 100}),
+    )
+    .await;
+    let eu = register(&http, "eu", "eu-1").await;
+    let us = register(&http, "us", "us-1").await;
+    (db, alloc, http, eu, us)
+}
+
+fn window_report(region: &str, epoch: i64, id: &str, consumed: i64, fallback: i64) -> serde_json::Value {
+    json!({"region": region, "agent": format!("{region}-1"), "epoch": epoch, "report_id": id,
+        "items": [{"tenant": "atlas", "resource": "read", "window_start": "2026-12-02T10:00:00Z",
+                   "consumed": consumed, "fallback_admitted": fallback}]})
+}
+
+async fn window_10_00(http: &Http) -> serde_json::Value {
+    let w = http
+        .get("/v1/windows/atlas/read?from=2026-12-02T10:00:00Z&to=2026-12-02T10:01:00Z")
+        .await
+        .expect(200);
+    w.body["windows"][0].clone()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fallback_reported_while_the_pool_has_tokens_is_repaid_once_and_the_window_stays_within_its_limit() {
+    let (_db, _alloc, http, eu, us) = fallback_window().await;
+    let g = grant(&http, &grant_body("atlas", "read", "eu", "eu-1", eu, 1, 300, 5.0)).await.expect(200);
+    assert_eq!(g.body["pool"]["available"], 700);
+
+    // US was cut off and admitted 80 from its fallback allowance; the report
+    // and its replay charge the pool once.
+    http.post("/v1/reports", &window_report("us", us, "us-r1", 0, 80)).await.expect(200);
+    http.post("/v1/reports", &window_report("us", us, "us-r1", 0, 80)).await.expect(200);
+
+    let mut granted_after = 0;
+    for seq in 2..6 {
+        let g = grant(&http, &grant_body("atlas", "read", "eu", "eu-1", eu, seq, 500, 5.0)).await.expect(200);
+        granted_after += g.body["tokens"].as_i64().unwrap();
+        assert_eq!(g.body["pool"]["available"].as_i64(), Some(1000 - 300 - 80 - granted_after));
+    }
+    assert_eq!(granted_after, 1000 - 300 - 80, "grants after the report share G - granted - F");
+    http.post("/v1/reports", &window_report("eu", eu, "eu-r1", 920, 0)).await.expect(200);
+
+    let win = window_10_00(&http).await;
+    assert_eq!(win["granted"], 920);
+    assert_eq!(win["fallback_admitted"], 80);
+    assert_eq!(win["fallback_repaid"], 80);
+    assert_eq!(win["admitted"], 1000);
+    assert_eq!(win["overshoot"], 0);
+    assert_eq!(win["bound_held"], true);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fallback_reported_after_the_pool_was_spent_overshoots_by_exactly_it_within_the_bound() {
+    let (_db, _alloc, http, eu, us) = fallback_window().await;
+    for seq in 1..3 {
+        grant(&http, &grant_body("atlas", "read", "eu", "eu-1", eu, seq, 500, 5.0)).await.expect(200);
+    }
+    http.post("/v1/reports", &window_report("us", us, "us-r1", 0, 80)).await.expect(200);
+    let g = grant(&http, &grant_body("atlas", "read", "eu", "eu-1", eu, 3, 500, 5.0)).await.expect(200);
+    assert_eq!((g.body["tokens"].as_i64(), g.body["pool"]["available"].as_i64()), (Some(0), Some(0)));
+    http.post("/v1/reports", &window_report("eu", eu, "eu-r1", 1000, 0)).await.expect(200);
+
+    let win = window_10_00(&http).await;
+    assert_eq!(win["fallback_admitted"], 80);
+    assert_eq!(win["fallback_repaid"], 0, "nothing was left to repay from");
+    assert_eq!(win["admitted"], 1080);
+    assert_eq!(win["overshoot"], 80);
+    assert_eq!(win["bound"], 1200, "G + 2 regions × 100");
+    assert_eq!(win["bound_held"], true);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ledger_pages_with_a_cursor_without_gaps_or_repeats() {
     let s = Stack::start().await;

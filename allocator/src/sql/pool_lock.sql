@@ -5,4 +5,4 @@ insert into pool (tenant, resource, window_start, window_secs, limit_tokens, fal
 values ($1, $2, $3, $4, $5, $6, $7)
 on conflict (tenant, resource, window_start, window_secs) do update
 set limit_tokens = excluded.limit_tokens, fallback_per_region = excluded.fallback_per_region
-returning granted, returned
+returning granted, returned, fallback_owed

@@ -176,6 +176,7 @@ mod tests {
             returned: 0,
             consumed: 10,
             fallback_admitted: 5,
+            fallback_repaid: 0,
             admitted: 15,
             overshoot: 0,
             bound: 110,
