@@ -56,7 +56,8 @@ pub struct ExplainPool {
     pub limit: i64,
     pub granted: i64,
     pub returned: i64,
-    /// `limit − (granted − returned)`, never below 0.
+    /// `limit − (granted − returned) − fallback repaid` (fallback reported
+    /// while the window was open), never below 0.
     pub available: i64,
 }
 
@@ -205,6 +206,8 @@ struct PoolRow {
     fallback_per_region: i64,
     granted: i64,
     returned: i64,
+    /// Fallback reported while the window was open, repaid from the pool.
+    fallback_owed: i64,
     r_granted: Option<i64>,
     r_returned: Option<i64>,
     r_consumed: Option<i64>,
@@ -294,6 +297,17 @@ pub(crate) async fn explain(
     )
     .fetch_one(&mut *tx)
     .await?;
+    let owed_at = sqlx::query_file_scalar!(
+        "src/sql/explain_fallback_owed_at.sql",
+        tenant,
+        resource,
+        at,
+        Window { start: window.start - window.secs, secs: window.secs }.start_at(),
+        window.start_at(),
+        window.end_at()
+    )
+    .fetch_one(&mut *tx)
+    .await?;
     let rows = sqlx::query_file_as!(
         LeaseRow,
         "src/sql/explain_leases.sql",
@@ -311,7 +325,7 @@ pub(crate) async fn explain(
     tx.commit().await?;
 
     let current = current_totals(pool.as_ref(), &policy, &region, now);
-    let rebuilt = rebuild(&current, pool_at.as_ref(), &reports_at, &policy, &region, at);
+    let rebuilt = rebuild(&current, pool_at.as_ref(), &reports_at, owed_at, &policy, &region, at);
     let Rebuilt { pool: pool_view, region_account, fallback, as_of, mut notes } = rebuilt;
     if rows.len() as i64 == MAX_LEASES {
         notes.push(format!(
@@ -403,7 +417,7 @@ fn current_totals(
             limit: p.limit_tokens,
             granted: p.granted,
             returned: p.returned,
-            available: (p.limit_tokens - (p.granted - p.returned)).max(0),
+            available: crate::share::available(p.limit_tokens, p.granted, p.returned, p.fallback_owed),
         },
         None => ExplainPool {
             exists: false,
@@ -449,6 +463,7 @@ fn rebuild(
     current: &ExplainCurrent,
     pool_at: Option<&PoolAtRow>,
     reports: &ReportsAtRow,
+    owed_at: i64,
     policy: &policies::PolicyRow,
     region: &str,
     at: DateTime<Utc>,
@@ -475,7 +490,7 @@ fn rebuild(
                     limit,
                     granted,
                     returned,
-                    available: (limit - (granted - returned)).max(0),
+                    available: crate::share::available(limit, granted, returned, owed_at),
                 }
             } else {
                 ExplainPool { exists, limit, granted: 0, returned: 0, available: limit }

@@ -167,6 +167,8 @@ async fn fallback_reported_while_the_pool_has_tokens_is_repaid_once_and_the_wind
     // and its replay charge the pool once.
     http.post("/v1/reports", &window_report("us", us, "us-r1", 0, 80)).await.expect(200);
     http.post("/v1/reports", &window_report("us", us, "us-r1", 0, 80)).await.expect(200);
+    let e = http.get("/v1/explain/atlas/read?region=eu").await.expect(200).body;
+    assert_eq!(e["pool"]["available"], 1000 - 300 - 80, "explain sees what grants see: {e}");
 
     let mut granted_after = 0;
     for seq in 2..6 {

@@ -1,5 +1,5 @@
 -- The pool of one window and one region's row in it; either may not exist yet.
-select p.limit_tokens, p.fallback_per_region, p.granted, p.returned,
+select p.limit_tokens, p.fallback_per_region, p.granted, p.returned, p.fallback_owed,
        -- "?": null when the region has no row yet (the macros cannot tell
        -- that from the outer join).
        r.granted as "r_granted?", r.returned as "r_returned?", r.consumed as "r_consumed?",
