@@ -357,31 +357,15 @@ pub(crate) async fn explain(
         })
         .collect();
 
-    let (verdict, reason) = if live_lease_tokens > 0 {
-        ("leased", format!("the region held {live_lease_tokens} tokens in live leases at that instant"))
-    } else if fallback.in_fallback {
-        (
-            "fallback",
-            format!(
-                "no live lease; the region admitted {} of its {} fallback allowance ({} left) in this window",
-                fallback.admitted, fallback.allowance, fallback.left
-            ),
-        )
-    } else if region_account.demand_per_sec == 0.0 && rows.is_empty() {
-        ("no demand", "the region asked for nothing in this window".to_string())
-    } else if pool_view.available == 0 || empty_grant.is_some() {
-        let asked =
-            empty_grant.map(|l| format!(", its grant seq {} got 0 tokens", l.seq)).unwrap_or_default();
-        (
-            "exhausted",
-            format!(
-                "the pool had {} of {} tokens available{asked}; requests are answered 429 quota_exhausted",
-                pool_view.available, pool_view.limit
-            ),
-        )
-    } else {
-        ("idle", "the region holds no live lease; its agent renews on its next demand".to_string())
+    let position = Position {
+        live_lease_tokens,
+        fallback: &fallback,
+        demand_per_sec: region_account.demand_per_sec,
+        leases_in_window: rows.len(),
+        pool: &pool_view,
+        empty_grant_seq: empty_grant.map(|l| l.seq),
     };
+    let (verdict, reason) = verdict(&position);
     Ok(Json(Explanation {
         tenant,
         resource,
@@ -553,4 +537,123 @@ fn rebuild(
         );
     }
     Rebuilt { pool, region_account, fallback, as_of, notes }
+}
+
+/// What [`verdict`] reads of the region's position at `at`.
+#[derive(Debug, Clone, Copy)]
+pub struct Position<'a> {
+    /// Tokens of the region's leases live at `at`.
+    pub live_lease_tokens: i64,
+    pub fallback: &'a ExplainFallback,
+    pub demand_per_sec: f64,
+    /// Leases of the region in the window up to `at` (empty grants too).
+    pub leases_in_window: usize,
+    pub pool: &'a ExplainPool,
+    /// The sequence number of the region's last grant that got 0 tokens.
+    pub empty_grant_seq: Option<i64>,
+}
+
+/// The explain verdict and its reason: the first of these that holds —
+/// live leases (`leased`), fallback admits reported in the window
+/// (`fallback`), nothing asked for (`no demand`), an empty pool or an empty
+/// grant (`exhausted`), else `idle` (the agent renews on its next demand).
+pub fn verdict(p: &Position) -> (&'static str, String) {
+    let f = p.fallback;
+    if p.live_lease_tokens > 0 {
+        ("leased", format!("the region held {} tokens in live leases at that instant", p.live_lease_tokens))
+    } else if f.in_fallback {
+        (
+            "fallback",
+            format!(
+                "no live lease; the region admitted {} of its {} fallback allowance ({} left) in this window",
+                f.admitted, f.allowance, f.left
+            ),
+        )
+    } else if p.demand_per_sec == 0.0 && p.leases_in_window == 0 {
+        ("no demand", "the region asked for nothing in this window".to_string())
+    } else if p.pool.available == 0 || p.empty_grant_seq.is_some() {
+        let asked =
+            p.empty_grant_seq.map(|seq| format!(", its grant seq {seq} got 0 tokens")).unwrap_or_default();
+        (
+            "exhausted",
+            format!(
+                "the pool had {} of {} tokens available{asked}; requests are answered 429 quota_exhausted",
+                p.pool.available, p.pool.limit
+            ),
+        )
+    } else {
+        ("idle", "the region holds no live lease; its agent renews on its next demand".to_string())
+    }
+}
+
+#[cfg(test)]
+mod verdict_tests {
+    use super::*;
+
+    fn pool(available: i64) -> ExplainPool {
+        ExplainPool { exists: true, limit: 100, granted: 100 - available, returned: 0, available }
+    }
+
+    fn fallback(admitted: i64) -> ExplainFallback {
+        ExplainFallback { allowance: 10, admitted, left: 10 - admitted, in_fallback: admitted > 0 }
+    }
+
+    /// Live tokens, fallback admitted, demand, leases in the window,
+    /// available, empty grant's seq, and the verdict wanted.
+    type Case = (i64, i64, f64, usize, i64, Option<i64>, &'static str);
+
+    #[test]
+    fn the_verdict_is_the_first_case_that_holds() {
+        let cases: &[Case] = &[
+            (40, 0, 4.0, 1, 60, None, "leased"),
+            // Live leases win over fallback reported earlier in the window and an empty pool.
+            (40, 3, 4.0, 2, 0, Some(2), "leased"),
+            (0, 3, 4.0, 1, 60, None, "fallback"),
+            // Fallback wins over an exhausted pool: the region was cut off.
+            (0, 3, 4.0, 1, 0, Some(1), "fallback"),
+            (0, 0, 0.0, 0, 100, None, "no demand"),
+            // No demand measured but a lease in the window: not "no demand".
+            (0, 0, 0.0, 1, 100, None, "idle"),
+            (0, 0, 4.0, 1, 0, None, "exhausted"),
+            (0, 0, 4.0, 2, 30, Some(2), "exhausted"),
+            // An empty pool with no demand and no lease is still "no demand".
+            (0, 0, 0.0, 0, 0, None, "no demand"),
+            (0, 0, 4.0, 1, 30, None, "idle"),
+        ];
+        for &(live, admitted, demand, leases, available, empty, want) in cases {
+            let (f, p) = (fallback(admitted), pool(available));
+            let position = Position {
+                live_lease_tokens: live,
+                fallback: &f,
+                demand_per_sec: demand,
+                leases_in_window: leases,
+                pool: &p,
+                empty_grant_seq: empty,
+            };
+            assert_eq!(verdict(&position).0, want, "{position:?}");
+        }
+    }
+
+    #[test]
+    fn reasons_carry_the_numbers_an_operator_checks() {
+        let (f, p) = (fallback(3), pool(0));
+        let position = Position {
+            live_lease_tokens: 0,
+            fallback: &f,
+            demand_per_sec: 1.0,
+            leases_in_window: 1,
+            pool: &p,
+            empty_grant_seq: None,
+        };
+        assert_eq!(
+            verdict(&position).1,
+            "no live lease; the region admitted 3 of its 10 fallback allowance (7 left) in this window"
+        );
+        let f = fallback(0);
+        let position = Position { fallback: &f, empty_grant_seq: Some(7), ..position };
+        assert_eq!(
+            verdict(&position).1,
+            "the pool had 0 of 100 tokens available, its grant seq 7 got 0 tokens; requests are answered 429 quota_exhausted"
+        );
+    }
 }
