@@ -11,6 +11,8 @@
 //! allocator_now` after the instant the answer *arrived*, where
 //! `allocator_now = expires_at − expires_in_ms` is read from the answer
 //! itself, so only the allocator's clock is ever subtracted from itself.
+//! The region's fallback clock takes the allocator's clock as of the send
+//! instant plus the time since (never behind it; see `credit`).
 
 use crate::app::{AllocatorClock, App};
 use crate::breaker::backoff;
@@ -445,7 +447,13 @@ async fn credit(
     // The allocator's instant when it answered, read off the answer itself.
     let alloc_at = g.expires_at - chrono::Duration::milliseconds(g.expires_in_ms);
     app.alloc_clock.observe(alloc_at, arrived);
-    let alloc_now_ms = alloc_at.timestamp_millis() + arrived.elapsed().as_millis() as i64;
+    // The region's fallback clock (credit.lua's offset) counts from the
+    // instant the request was *sent*: the allocator read `alloc_at` after
+    // that, so this never lags its clock and a fallback admit just after a
+    // window's end cannot land in the ended window's allowance; it may lead
+    // by one round trip. (Counted from the arrival, a slow grant made the
+    // offset lag by the grant's whole duration.)
+    let alloc_now_ms = alloc_at.timestamp_millis() + sent.elapsed().as_millis() as i64;
     let nb_ms = if sel == WindowSel::Next {
         let opens_in = (g.window_start - alloc_at).num_milliseconds() + 2;
         (opens_in - arrived.elapsed().as_millis() as i64).max(0)

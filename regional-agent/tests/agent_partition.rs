@@ -100,3 +100,33 @@ async fn strict_partition_answers_503_and_heals_exactly() {
     tally.add(&healed);
     w.wait_accounting("atlas", "s", &tally.by_window).await;
 }
+
+/// The region's fallback clock (the allocator-clock offset a credit records
+/// in the quota's `clk` key, see `credit.lua`) never lags the allocator's
+/// clock, however slow the grant: counted from the answer's arrival, a slow
+/// grant set it behind by the grant's duration, and a fallback admit sent
+/// just after a window's end landed in the ended window's allowance (seen
+/// once in the partition chaos scenario). Allocator, agent and Redis share
+/// this host's clock, so the true offset is 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_grant_never_sets_the_fallback_clock_behind_the_allocator() {
+    let w = World::start().await;
+    w.policy("atlas", "slow", json!({"limit": 1000, "window_secs": 3600, "chunk_max": 20})).await;
+    let sw = FaultProxy::in_front_of(&w.stack.alloc.base).await.expect("fault proxy");
+    let a = w.agent("eu", "eu-1", Some(&sw.http_url()), &[]).await;
+    // Every chunk each way waits 150 ms: a grant takes at least 300 ms.
+    sw.set(Fault::Latency(150));
+    quota_tests::wait::until("an admit from a slow grant", Duration::from_secs(20), || {
+        let http = a.http.clone();
+        async move { (acquire(&http, "atlas", "slow").await.status == 200).then_some(()) }
+    })
+    .await;
+    let client = redis::Client::open(w.redis.url.as_str()).expect("redis url");
+    let mut conn = client.get_multiplexed_async_connection().await.expect("redis connection");
+    let key = format!("{}clk", regional_agent::keys::Keys::new("").quota("atlas", "slow"));
+    let clk: i64 = redis::cmd("GET").arg(&key).query_async(&mut conn).await.expect("clk offset recorded");
+    // Behind by 150 ms or more before the fix; ahead by at most the round
+    // trip (two 150 ms delays plus the allocator's work) now.
+    assert!(clk >= -20, "the fallback clock lags the allocator's by {} ms", -clk);
+    assert!(clk <= 5_000, "the fallback clock leads the allocator's by {clk} ms");
+}
