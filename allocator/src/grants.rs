@@ -302,7 +302,10 @@ async fn grant_in_window(
         policy.limit_tokens,                     // $19 pool_limit
         pool_granted,                            // $20 pool_granted
         pool_available,                          // $21 pool_available
-        retry_after_ms                           // $22 retry_after_ms
+        retry_after_ms,                          // $22 retry_after_ms
+        policy.per_key_rate_milli,               // $23 per_key_rate_milli
+        policy.per_key_burst,                    // $24 per_key_burst
+        policy.enforce                           // $25 enforce
     )
     .fetch_one(&mut *conn)
     .await

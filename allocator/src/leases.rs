@@ -12,7 +12,9 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use chrono::{DateTime, Utc};
 use quota_shared::window::Window;
-use quota_shared::wire::{ErrorBody, FailMode, GrantResponse, LeaseView, PoolSnapshot, ReleaseRequest};
+use quota_shared::wire::{
+    ErrorBody, FailMode, GrantResponse, LeaseView, PerKey, PoolSnapshot, ReleaseRequest,
+};
 use serde::Serialize;
 use utoipa::ToSchema;
 use uuid::Uuid;
@@ -55,6 +57,9 @@ pub struct LeaseRow {
     pub unspent: Option<i64>,
     pub returned: Option<i64>,
     pub released_at: Option<DateTime<Utc>>,
+    pub per_key_rate_milli: Option<i64>,
+    pub per_key_burst: Option<i64>,
+    pub enforce: bool,
 }
 
 impl LeaseRow {
@@ -94,6 +99,8 @@ impl LeaseRow {
                 granted: self.pool_granted,
                 available: self.pool_available,
             },
+            per_key: PerKey::from_stored(self.per_key_rate_milli, self.per_key_burst),
+            enforce: self.enforce,
             retry_after_ms: self.retry_after_ms,
         }
     }

@@ -123,7 +123,7 @@ impl Modify for RequestBounds {
         use utoipa::Number;
         let max = Number::Float(MAX_COUNT as f64);
         let day = Number::Float(86_400.0);
-        let bounds: [(&str, &str, f64, &Number); 21] = [
+        let bounds: [(&str, &str, f64, &Number); 22] = [
             ("PolicySpec", "limit", 1.0, &max),
             ("PolicySpec", "window_secs", 1.0, &day),
             ("PolicySpec", "chunk_min", 1.0, &max),
@@ -139,6 +139,7 @@ impl Modify for RequestBounds {
             ("ReportRequest", "epoch", 1.0, &max),
             ("ReportItem", "consumed", 0.0, &max),
             ("ReportItem", "fallback_admitted", 0.0, &max),
+            ("ReportItem", "shadow_refused", 0.0, &max),
             ("AgentStatusReport", "epoch", 1.0, &max),
             ("AgentStatusReport", "outbox_depth", 0.0, &max),
             ("AgentStatusReport", "quotas_total", 0.0, &max),

@@ -5,7 +5,8 @@
 //! Defaults for omitted fields:
 //! `chunk_min = max(1, limit / 100)`, `chunk_max = max(chunk_min, limit / 10)`,
 //! `lease_ttl_secs = min(window_secs, 30)`, `fail_mode = bounded`,
-//! `fallback_per_region = limit / 100` in bounded mode and 0 in strict mode.
+//! `fallback_per_region = limit / 100` in bounded mode and 0 in strict mode,
+//! no `per_key` bucket, `enforce = true`.
 
 use crate::http::auth::Principal;
 use crate::http::extract::{check_count, check_id, ApiJson, ApiPath, MAX_COUNT};
@@ -16,7 +17,7 @@ use axum::http::HeaderMap;
 use axum::routing::{get, put};
 use axum::{Extension, Json, Router};
 use chrono::{DateTime, Utc};
-use quota_shared::wire::{ErrorBody, FailMode, Policy, PolicySpec};
+use quota_shared::wire::{ErrorBody, FailMode, PerKey, Policy, PolicySpec};
 use serde::{Deserialize, Serialize};
 use sqlx::{PgConnection, PgPool};
 use utoipa::ToSchema;
@@ -44,6 +45,15 @@ pub struct PolicyVersion {
     pub fallback_per_region: i64,
     /// `bounded` or `strict`.
     pub fail_mode: String,
+    /// The per-key bucket's rate (milli-tokens per second, as stored: the
+    /// policy's `per_key.rate_per_sec` × 1000) and size, when this version
+    /// had one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub per_key_rate_milli: Option<i64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub per_key_burst: Option<i64>,
+    /// `false`: this version was in shadow mode.
+    pub enforce: bool,
     /// The token name of the writer: `admin`, or `anonymous/loopback`
     /// when no admin token is configured.
     pub changed_by: String,
@@ -71,6 +81,9 @@ pub struct PolicyRow {
     pub lease_ttl_secs: i64,
     pub fallback_per_region: i64,
     pub fail_mode: String,
+    pub per_key_rate_milli: Option<i64>,
+    pub per_key_burst: Option<i64>,
+    pub enforce: bool,
     pub version: i64,
     pub updated_at: DateTime<Utc>,
 }
@@ -101,6 +114,8 @@ impl PolicyRow {
             lease_ttl_secs: self.lease_ttl_secs,
             fallback_per_region: self.fallback_per_region,
             fail_mode: self.fail_mode(),
+            per_key: PerKey::from_stored(self.per_key_rate_milli, self.per_key_burst),
+            enforce: self.enforce,
             version: self.version,
             updated_at: self.updated_at,
         }
@@ -117,6 +132,29 @@ pub struct Resolved {
     pub lease_ttl_secs: i64,
     pub fallback_per_region: i64,
     pub fail_mode: FailMode,
+    /// `(rate in milli-tokens per second, burst)`.
+    pub per_key: Option<(i64, i64)>,
+    /// `false`: shadow mode.
+    pub enforce: bool,
+}
+
+/// Checks a per-key bucket: `0.001 ≤ rate_per_sec ≤ 10⁹` (a whole number of
+/// milli-tokens per second) and `1 ≤ burst ≤ 10⁹`; answers `(rate_milli, burst)`.
+pub fn resolve_per_key(p: &PerKey) -> Result<(i64, i64)> {
+    let max = PerKey::MAX as f64;
+    if !p.rate_per_sec.is_finite() || !(0.001..=max).contains(&p.rate_per_sec) {
+        return Err(Error::invalid(
+            "per_key.rate_per_sec",
+            format!("must be between 0.001 and {}, got {}", PerKey::MAX, p.rate_per_sec),
+        ));
+    }
+    if !(1..=PerKey::MAX).contains(&p.burst) {
+        return Err(Error::invalid(
+            "per_key.burst",
+            format!("must be between 1 and {}, got {}", PerKey::MAX, p.burst),
+        ));
+    }
+    Ok((p.rate_milli().max(1), p.burst))
 }
 
 /// Fills defaults and validates: `window_secs` divides 86,400,
@@ -163,7 +201,10 @@ pub fn resolve(spec: &PolicySpec) -> Result<Resolved> {
     if fail_mode == FailMode::Strict && fallback_per_region > 0 {
         return Err(Error::invalid("fallback_per_region", "must be 0 when fail_mode is strict"));
     }
+    let per_key = spec.per_key.as_ref().map(resolve_per_key).transpose()?;
     Ok(Resolved {
+        per_key,
+        enforce: spec.enforce.unwrap_or(true),
         limit,
         window_secs: spec.window_secs,
         chunk_min,
@@ -325,7 +366,10 @@ pub(crate) async fn put_policy(
         r.fail_mode.as_str(),
         version,
         now,
-        who.0
+        who.0,
+        r.per_key.map(|p| p.0),
+        r.per_key.map(|p| p.1),
+        r.enforce
     )
     .fetch_one(&mut *tx)
     .await?;
@@ -371,11 +415,27 @@ mod tests {
         PolicySpec { limit, window_secs, ..Default::default() }
     }
 
+    fn pk(s: PolicySpec, rate_per_sec: f64, burst: i64) -> PolicySpec {
+        PolicySpec { per_key: Some(PerKey { rate_per_sec, burst }), ..s }
+    }
+
+    #[test]
+    fn a_per_key_bucket_is_kept_in_whole_milli_tokens() {
+        assert_eq!(resolve(&spec(100, 60)).unwrap().per_key, None);
+        assert_eq!(resolve(&pk(spec(100, 60), 8.0, 8)).unwrap().per_key, Some((8000, 8)));
+        assert_eq!(resolve(&pk(spec(100, 60), 0.0015, 1)).unwrap().per_key, Some((2, 1)));
+        assert_eq!(resolve(&pk(spec(100, 60), 0.001, 1)).unwrap().per_key, Some((1, 1)));
+        // The burst is the key's own cap: it may exceed the quota's limit
+        // (the quota still refuses), so it is not checked against it.
+        assert_eq!(resolve(&pk(spec(10, 60), 1.0, 500)).unwrap().per_key, Some((1000, 500)));
+    }
+
     #[test]
     fn defaults_are_documented_fractions_of_the_limit() {
         let r = resolve(&spec(1000, 60)).unwrap();
         assert_eq!((r.chunk_min, r.chunk_max, r.lease_ttl_secs, r.fallback_per_region), (10, 100, 30, 10));
         assert_eq!(r.fail_mode, FailMode::Bounded);
+        assert_eq!((r.per_key, r.enforce), (None, true));
         let tiny = resolve(&spec(1, 1)).unwrap();
         assert_eq!(
             (tiny.chunk_min, tiny.chunk_max, tiny.lease_ttl_secs, tiny.fallback_per_region),
@@ -400,6 +460,12 @@ mod tests {
                 },
                 "fallback_per_region",
             ),
+            (pk(spec(100, 60), 0.0, 5), "per_key.rate_per_sec"),
+            (pk(spec(100, 60), 0.0004, 5), "per_key.rate_per_sec"),
+            (pk(spec(100, 60), f64::NAN, 5), "per_key.rate_per_sec"),
+            (pk(spec(100, 60), 2e9, 5), "per_key.rate_per_sec"),
+            (pk(spec(100, 60), 1.0, 0), "per_key.burst"),
+            (pk(spec(100, 60), 1.0, PerKey::MAX + 1), "per_key.burst"),
         ];
         for (s, field) in cases {
             match resolve(&s) {

@@ -70,6 +70,7 @@ fn validate_item(i: usize, item: &ReportItem) -> Result<()> {
     check_id(&format!("items[{i}].resource"), &item.resource)?;
     check_count(&format!("items[{i}].consumed"), item.consumed, 0)?;
     check_count(&format!("items[{i}].fallback_admitted"), item.fallback_admitted, 0)?;
+    check_count(&format!("items[{i}].shadow_refused"), item.shadow_refused, 0)?;
     if item.window_start.timestamp_subsec_nanos() != 0 {
         return Err(Error::invalid(format!("items[{i}].window_start"), "must be a whole second"));
     }
@@ -276,7 +277,8 @@ async fn apply_item(
             window_secs,
             req.region,
             item.consumed,
-            item.fallback_admitted
+            item.fallback_admitted,
+            item.shadow_refused
         )
         .execute(&mut *tx)
         .await?;
@@ -292,6 +294,7 @@ async fn apply_item(
                 "window_start": item.window_start,
                 "consumed": item.consumed,
                 "fallback_admitted": item.fallback_admitted,
+                "shadow_refused": item.shadow_refused,
             })),
             ..Default::default()
         };
@@ -331,6 +334,7 @@ mod tests {
             window_start: window_start.parse().unwrap(),
             consumed: 1,
             fallback_admitted: 0,
+            shadow_refused: 0,
         }
     }
 

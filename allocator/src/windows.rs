@@ -47,6 +47,8 @@ pub struct RegionAccount {
     pub returned: i64,
     pub consumed: i64,
     pub fallback_admitted: i64,
+    /// Requests a shadow-mode policy would have refused (admitted anyway).
+    pub shadow_refused: i64,
     pub admitted: i64,
     pub fallback_allowance: i64,
     pub stranded: i64,
@@ -72,6 +74,10 @@ pub struct WindowAccount {
     /// pool covered (later grants shared only the rest); `overshoot` is at
     /// most `fallback_admitted − fallback_repaid`.
     pub fallback_repaid: i64,
+    /// Requests the policy would have refused while in shadow mode
+    /// (`enforce: false`): admitted anyway, and not part of `admitted`
+    /// unless a lease or the fallback allowance paid for them.
+    pub shadow_refused: i64,
     pub admitted: i64,
     pub overshoot: i64,
     pub bound: i64,
@@ -108,6 +114,7 @@ struct Row {
     r_consumed: Option<i64>,
     r_fallback: Option<i64>,
     r_demand: Option<f64>,
+    r_shadow_refused: Option<i64>,
 }
 
 /// `GET /v1/windows/{tenant}/{resource}`.
@@ -194,6 +201,7 @@ pub async fn accounts(
                     r.returned,
                     r.fallback_owed,
                 ),
+                shadow_refused: 0,
                 admitted: 0,
                 overshoot: 0,
                 bound: 0,
@@ -211,6 +219,7 @@ pub async fn accounts(
                     returned: r.r_returned.unwrap_or(0),
                     consumed: r.r_consumed.unwrap_or(0),
                     fallback_admitted: r.r_fallback.unwrap_or(0),
+                    shadow_refused: r.r_shadow_refused.unwrap_or(0),
                     fallback_allowance: r.fallback_per_region,
                     demand_per_sec: r.r_demand.unwrap_or(0.0),
                     ..Default::default()
@@ -233,6 +242,7 @@ fn finish(w: &mut WindowAccount) {
         r.stranded = if w.closed { bound::stranded(r.granted, r.consumed, r.returned) } else { 0 };
         w.consumed += r.consumed;
         w.fallback_admitted += r.fallback_admitted;
+        w.shadow_refused += r.shadow_refused;
         allowances += r.fallback_allowance;
     }
     w.admitted = w.consumed + w.fallback_admitted;

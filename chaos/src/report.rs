@@ -20,6 +20,11 @@ pub struct WindowRow {
     pub fallback: u64,
     /// `admitted − limit` when positive.
     pub overshoot: i64,
+    /// Of the fallback admits, what the allocator repaid from the window's
+    /// pool (reported while the window was open, issue 17 item 5): grants
+    /// after the report shared that much less, so without the repayment
+    /// the window could have admitted up to this many more.
+    pub fallback_repaid: i64,
     pub stranded: i64,
     pub denied: u64,
     pub unavailable: u64,
@@ -71,6 +76,7 @@ pub fn rows(tally: &Tally, accounts: &BTreeMap<i64, WindowAccount>, secs: i64) -
                 admitted: c.admitted(),
                 fallback: c.fallback,
                 overshoot: (c.admitted() as i64 - limit).max(0),
+                fallback_repaid: acc.map(|a| a.fallback_repaid).unwrap_or(0),
                 stranded: acc.map(|a| a.stranded).unwrap_or(0),
                 denied: c.denied,
                 unavailable: c.unavailable,
@@ -134,13 +140,15 @@ pub fn check_windows(
 }
 
 /// A row's columns, in the order of both tables.
-fn cells(w: &WindowRow) -> [String; 10] {
+fn cells(w: &WindowRow) -> [String; 12] {
     [
         w.window_start.clone(),
         w.limit.to_string(),
         w.bound.to_string(),
         w.admitted.to_string(),
         w.overshoot.to_string(),
+        w.fallback.to_string(),
+        w.fallback_repaid.to_string(),
         w.stranded.to_string(),
         w.denied.to_string(),
         w.unavailable.to_string(),
@@ -155,15 +163,26 @@ pub fn text_table(rep: &ScenarioReport) -> String {
     let _ = writeln!(s, "== {} : {} ({:.1} s)", rep.scenario, rep.verdict.to_uppercase(), rep.seconds);
     let _ = writeln!(
         s,
-        "{:<21} {:>6} {:>6} {:>8} {:>9} {:>8} {:>7} {:>7} {:>6} {:>8}",
-        "window", "G", "bound", "admitted", "overshoot", "stranded", "429", "503", "lost", "ledger"
+        "{:<21} {:>6} {:>6} {:>8} {:>9} {:>8} {:>6} {:>8} {:>7} {:>7} {:>6} {:>8}",
+        "window",
+        "G",
+        "bound",
+        "admitted",
+        "overshoot",
+        "fallback",
+        "repaid",
+        "stranded",
+        "429",
+        "503",
+        "lost",
+        "ledger"
     );
     for w in &rep.windows {
         let c = cells(w);
         let _ = writeln!(
             s,
-            "{:<21} {:>6} {:>6} {:>8} {:>9} {:>8} {:>7} {:>7} {:>6} {:>8}",
-            c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7], c[8], c[9]
+            "{:<21} {:>6} {:>6} {:>8} {:>9} {:>8} {:>6} {:>8} {:>7} {:>7} {:>6} {:>8}",
+            c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7], c[8], c[9], c[10], c[11]
         );
     }
     for n in &rep.notes {
@@ -177,22 +196,24 @@ pub fn summary(reports: &[ScenarioReport]) -> String {
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "| scenario | verdict | windows | G | bound | most admitted in a window | worst overshoot over G | stranded | 429 | 503 | unanswered | ledger − clients |"
+        "| scenario | verdict | windows | G | bound | most admitted in a window | worst overshoot over G | fallback admitted | of it repaid | stranded | 429 | 503 | unanswered | ledger − clients |"
     );
-    let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|---|---|---|");
+    let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for rep in reports {
         let most = rep.windows.iter().map(|w| w.admitted).max().unwrap_or(0);
         let over = rep.windows.iter().map(|w| w.overshoot).max().unwrap_or(0);
         let g = rep.windows.iter().map(|w| w.limit).max().unwrap_or(0);
         let bound = rep.windows.iter().map(|w| w.bound).max().unwrap_or(0);
         let stranded: i64 = rep.windows.iter().map(|w| w.stranded).sum();
+        let fallback: u64 = rep.windows.iter().map(|w| w.fallback).sum();
+        let repaid: i64 = rep.windows.iter().map(|w| w.fallback_repaid).sum();
         let denied: u64 = rep.windows.iter().map(|w| w.denied).sum();
         let unavailable: u64 = rep.windows.iter().map(|w| w.unavailable).sum();
         let unanswered: u64 = rep.windows.iter().map(|w| w.ambiguous).sum();
         let diff: i64 = rep.windows.iter().map(|w| w.ledger_admitted - w.admitted as i64).sum();
         let _ = writeln!(
             s,
-            "| {} | {} | {} | {g} | {bound} | {most} | {over} | {stranded} | {denied} | {unavailable} | {unanswered} | {diff} |",
+            "| {} | {} | {} | {g} | {bound} | {most} | {over} | {fallback} | {repaid} | {stranded} | {denied} | {unavailable} | {unanswered} | {diff} |",
             rep.scenario,
             rep.verdict,
             rep.windows.len(),
@@ -211,9 +232,9 @@ pub fn markdown(reports: &[ScenarioReport], command: &str) -> String {
         let _ = writeln!(s, "## {} — {}\n", rep.scenario, rep.verdict);
         let _ = writeln!(
             s,
-            "| window | G | bound | admitted | overshoot | stranded | denied 429 | unavailable 503 | unanswered | ledger admitted |"
+            "| window | G | bound | admitted | overshoot | fallback | fallback repaid | stranded | denied 429 | unavailable 503 | unanswered | ledger admitted |"
         );
-        let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|---|");
+        let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|---|---|---|");
         for w in &rep.windows {
             let _ = writeln!(s, "| {} |", cells(w).join(" | "));
         }

@@ -5,8 +5,11 @@
 use std::process::Command;
 
 /// Keys that must be measured and positive.
-const POSITIVE: [&str; 14] = [
+const POSITIVE: [&str; 16] = [
     "acquire.c1.decisions_per_s",
+    // A per-key bucket beside the quota alone, same run (issue 17).
+    "acquire.c16.per_key.decisions_per_s",
+    "acquire.c16.per_key.p99_ms",
     // TLS beside plain, same run (issue 16).
     "acquire.c16.redis_plain.decisions_per_s",
     "acquire.c16.redis_tls.decisions_per_s",

@@ -20,8 +20,16 @@ local items = {}
 for _, ws in ipairs(redis.call('SMEMBERS', P .. 'dirty')) do
   local c = tonumber(redis.call('GETDEL', P .. 'cons:' .. ws) or '0')
   local f = tonumber(redis.call('GETDEL', P .. 'fbr:' .. ws) or '0')
+  local s = tonumber(redis.call('GETDEL', P .. 'shr:' .. ws) or '0')
   redis.call('SREM', P .. 'dirty', ws)
-  if c + f > 0 then items[#items + 1] = {tonumber(ws), c, f} end
+  -- The shadow count (requests a shadow-mode policy would have refused)
+  -- only when there is one: an entry without it is one an agent before
+  -- shadow mode reads too.
+  if s > 0 then
+    items[#items + 1] = {tonumber(ws), c, f, s}
+  elseif c + f > 0 then
+    items[#items + 1] = {tonumber(ws), c, f}
+  end
   if #items >= 100 then break end
 end
 if #items == 0 then return 0 end

@@ -171,7 +171,9 @@ mod tests {
 
     #[test]
     fn a_runs_answer_reaches_each_request_of_the_batch() {
-        let admit = |r| Spend::Admit(Admit { source: "lease".into(), window_start: 0, remaining: r });
+        let admit = |r| {
+            Spend::Admit(Admit { source: "lease".into(), window_start: 0, remaining: r, key_remaining: None })
+        };
         let ran = Ok(Outcome::Ran { token: "t".into(), value: vec![admit(2), admit(1)] });
         let got: Vec<_> = split(ran, 2).into_iter().map(|a| a.unwrap()).collect();
         assert_eq!(

@@ -1,7 +1,8 @@
 //! The agent's one error enum and its mapping to status, JSON code and
 //! headers (DESIGN §5): 400 malformed JSON, 413 body too large, 422 invalid
 //! value naming the field, 404 unknown quota, 409 request id mismatch, 429
-//! quota exhausted, 503
+//! quota exhausted or per-key limited (the body's `limit` names which:
+//! `per_key` or the resource), 503
 //! allocator unreachable or store unavailable. 429 and 503 carry a
 //! `Retry-After` in whole seconds, at least 1, jittered.
 
@@ -34,7 +35,12 @@ pub enum Error {
     RequestIdMismatch(String),
     /// The quota's pool is exhausted for the window.
     #[error("quota exhausted for this window")]
-    Exhausted { retry_after_ms: i64 },
+    Exhausted { resource: String, retry_after_ms: i64 },
+    /// The request's key has spent its per-key bucket; `retry_after_ms`
+    /// until the bucket holds the request's cost again.
+    /// (The key is not repeated: it may be an API key.)
+    #[error("the request's key is over the quota's per-key limit")]
+    KeyLimited { retry_after_ms: i64, remaining: i64 },
     /// The agent cannot reach the allocator and may not admit on its own.
     #[error("the allocator is unreachable and the quota's fallback allowance does not admit this request")]
     AllocatorUnreachable,
@@ -69,7 +75,7 @@ impl Error {
             Error::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Error::UnknownQuota(_) | Error::NoRoute(_) => StatusCode::NOT_FOUND,
             Error::RequestIdMismatch(_) => StatusCode::CONFLICT,
-            Error::Exhausted { .. } => StatusCode::TOO_MANY_REQUESTS,
+            Error::Exhausted { .. } | Error::KeyLimited { .. } => StatusCode::TOO_MANY_REQUESTS,
             Error::AllocatorUnreachable
             | Error::StoreUnavailable
             | Error::StoreNotSafe(_)
@@ -86,6 +92,7 @@ impl Error {
             Error::UnknownQuota(_) => "unknown_quota",
             Error::RequestIdMismatch(_) => "request_id_mismatch",
             Error::Exhausted { .. } => "quota_exhausted",
+            Error::KeyLimited { .. } => "per_key_limited",
             Error::AllocatorUnreachable => "allocator_unreachable",
             Error::StoreUnavailable | Error::StoreNotSafe(_) => "store_unavailable",
             Error::TooManyQuotas => "too_many_quotas",
@@ -96,7 +103,9 @@ impl Error {
     /// `Retry-After` seconds for 429 and 503.
     pub fn retry_after_s(&self) -> Option<i64> {
         match self {
-            Error::Exhausted { retry_after_ms } => Some(retry_after_secs(*retry_after_ms)),
+            Error::Exhausted { retry_after_ms, .. } | Error::KeyLimited { retry_after_ms, .. } => {
+                Some(retry_after_secs(*retry_after_ms))
+            }
             Error::AllocatorUnreachable
             | Error::StoreUnavailable
             | Error::StoreNotSafe(_)
@@ -118,9 +127,18 @@ impl IntoResponse for Error {
         let status = self.status_code();
         let retry = self.retry_after_s();
         let mut body = json!({"error": self.code(), "message": self.to_string()});
-        if let Error::Exhausted { .. } = self {
+        let limit = match &self {
+            Error::Exhausted { resource, .. } => Some(resource.as_str()),
+            Error::KeyLimited { .. } => Some("per_key"),
+            _ => None,
+        };
+        if let Error::InvalidField { field, .. } = &self {
+            body["field"] = json!(field);
+        }
+        if let Some(limit) = limit {
             body["allowed"] = json!(false);
             body["retry_after_s"] = json!(retry);
+            body["limit"] = json!(limit);
         }
         let mut resp = (status, Json(body)).into_response();
         if let Some(s) = retry {

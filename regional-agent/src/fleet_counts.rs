@@ -114,6 +114,8 @@ mod tests {
             fail_mode: quota_shared::wire::FailMode::Bounded,
             fallback_allowance: 0,
             version: 1,
+            per_key: None,
+            enforce: true,
         };
         let now = DateTime::from_timestamp(1_800_000_030, 0).unwrap();
         s.count("atlas/read", Some(p), "quota_exhausted", now);

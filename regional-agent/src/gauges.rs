@@ -151,6 +151,8 @@ mod tests {
             fail_mode,
             fallback_allowance: 0,
             version: 1,
+            per_key: None,
+            enforce: true,
         };
         let idle = View::default();
         let empty = View { exhausted_ms: 500, ..View::default() };

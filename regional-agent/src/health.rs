@@ -140,6 +140,16 @@ pub fn describe(m: &Registry) {
     m.describe("agent_lease_tokens", "gauge", "Tokens left in the region's spendable leases, per quota");
     m.describe("agent_allocator_reachable", "gauge", "1 while the allocator answers");
     m.describe("agent_fallback_admits_total", "counter", "Admits from the fallback allowance");
+    m.describe(
+        "agent_shadow_refusals_total",
+        "counter",
+        "Requests a shadow-mode policy (enforce: false) would have refused and admitted, by the limit that would have refused (per_key or quota)",
+    );
+    m.describe(
+        "agent_shadow_uncounted_total",
+        "counter",
+        "Shadow refusals whose count could not be written to Redis (missing from the window's report)",
+    );
     m.describe("agent_renewals_total", "counter", "Grant requests by result");
     m.describe("agent_outbox_depth", "gauge", "Outbox entries waiting for the allocator");
     m.describe("agent_quotas", "gauge", "Quotas this agent holds (idle ones leave after 5 minutes)");

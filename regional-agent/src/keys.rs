@@ -107,6 +107,18 @@ impl Keys {
     pub fn request_id_suffix(request_id: &str) -> String {
         lp(request_id)
     }
+
+    /// The suffix of a principal's per-key bucket after the quota prefix
+    /// and `k:` (length-prefixed, so no two keys share a bucket).
+    pub fn per_key_suffix(key: &str) -> String {
+        lp(key)
+    }
+
+    /// A principal's per-key bucket in a quota (a hash `{t, at}`, see
+    /// `lua/spend.lua`, which appends `k:` and the suffix itself).
+    pub fn per_key_bucket(quota_prefix: &str, key: &str) -> String {
+        format!("{quota_prefix}k:{}", Self::per_key_suffix(key))
+    }
 }
 
 #[cfg(test)]
@@ -123,6 +135,9 @@ mod tests {
         assert_eq!(ns.quota("a", "b"), "t1:q:{1:a/1:b}:");
         assert_eq!(ns.agent_quotas("eu", "eu-1"), "t1:a:{2:eu/4:eu-1}:quotas");
         assert_eq!(Keys::request_id_suffix("r-1"), "3:r-1");
+        assert_eq!(Keys::per_key_suffix("alice@x"), "7:alice@x");
+        assert_ne!(Keys::per_key_suffix("a:1"), Keys::per_key_suffix("a"));
+        assert_eq!(Keys::per_key_bucket("q:{1:a/1:b}:", "u1"), "q:{1:a/1:b}:k:2:u1");
         assert_eq!(ns.request_id_claim("a", "r-1"), "t1:t:{1:a}:rid:3:r-1");
         assert_ne!(k.request_id_claim("a:1", "r"), k.request_id_claim("a", "1:r"));
         assert_eq!(ns.agent_live("eu", "eu-1"), "t1:a:{2:eu/4:eu-1}:live");

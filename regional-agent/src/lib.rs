@@ -73,6 +73,24 @@
 //!   cache (at most 4,096 names, 5 s each), so a flood of unknown names
 //!   leaves no key, registry entry or task (F14). A quota never seen while
 //!   the allocator is unreachable answers `503 allocator_unreachable`.
+//! * **Per-key limits.** A policy's `per_key` bucket (learnt from grants
+//!   like the rest of the policy) is checked first, in the same run of the
+//!   spend script as the quota: a key short of the cost is `429
+//!   per_key_limited` (`limit: "per_key"`) and spends nothing of the quota
+//!   nor counts as demand; a quota that refuses leaves the bucket as it
+//!   was. Buckets hold integer micro-tokens refilled from Redis's `TIME`
+//!   (one clock for the region's replicas) and expire when full again plus
+//!   a minute. They are regional: each region enforces them on its own
+//!   traffic. A request without `key` on such a quota is 422 (a gateway
+//!   that forgets the user cannot bypass the cap); the local store
+//!   fallback does not check them.
+//! * **Shadow mode.** A policy with `enforce: false` makes every decision
+//!   as an enforced one; a `429` it would answer becomes a `200` with
+//!   `source: "shadow"`, `shadow_refused: true` and the `limit`, debiting
+//!   nothing. `lua/shadow.lua` counts it per window for the outbox, whose
+//!   reports carry `shadow_refused` (only when non-zero, so an allocator
+//!   before shadow mode accepts every other report, and report entries
+//!   keep the three-number form an older agent reads).
 //! * **Registry bounds.** Quotas idle for 5 minutes with an empty outbox
 //!   and no live lease leave the registry and the agent's quota set; there
 //!   is no fixed cap on known quotas (`agent_quotas` shows how many are

@@ -80,9 +80,47 @@ enum Entry {
     /// A release: lease id and unspent tokens.
     #[serde(rename = "rel")]
     Release { id: String, u: i64 },
-    /// A report: id and `[window_start, consumed, fallback_admitted]` items.
+    /// A report: id and its items.
     #[serde(rename = "rep")]
-    Report { rid: String, items: Vec<(i64, i64, i64)> },
+    Report { rid: String, items: Vec<Item> },
+}
+
+/// One report item as `lua/cut.lua` writes it: `[window_start, consumed,
+/// fallback_admitted]`, plus `shadow_refused` when not 0 (an entry written
+/// before shadow mode has three numbers, and one without shadow refusals
+/// keeps that form, so either version of the agent reads the other's).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "Vec<i64>", into = "Vec<i64>")]
+struct Item {
+    window_start: i64,
+    consumed: i64,
+    fallback_admitted: i64,
+    shadow_refused: i64,
+}
+
+impl TryFrom<Vec<i64>> for Item {
+    type Error = String;
+    fn try_from(v: Vec<i64>) -> Result<Item, String> {
+        match v[..] {
+            [window_start, consumed, fallback_admitted] => {
+                Ok(Item { window_start, consumed, fallback_admitted, shadow_refused: 0 })
+            }
+            [window_start, consumed, fallback_admitted, shadow_refused] => {
+                Ok(Item { window_start, consumed, fallback_admitted, shadow_refused })
+            }
+            _ => Err(format!("a report item has 3 or 4 numbers, not {}", v.len())),
+        }
+    }
+}
+
+impl From<Item> for Vec<i64> {
+    fn from(i: Item) -> Vec<i64> {
+        let mut v = vec![i.window_start, i.consumed, i.fallback_admitted];
+        if i.shadow_refused != 0 {
+            v.push(i.shadow_refused);
+        }
+        v
+    }
 }
 
 /// What an answer to one entry means for it.
@@ -414,12 +452,13 @@ async fn send(
                 report_id: rid.clone(),
                 items: items
                     .iter()
-                    .map(|(ws, c, f)| ReportItem {
+                    .map(|i| ReportItem {
                         tenant: tenant.to_string(),
                         resource: resource.to_string(),
-                        window_start: Utc.timestamp_opt(*ws, 0).single().unwrap_or_default(),
-                        consumed: *c,
-                        fallback_admitted: *f,
+                        window_start: Utc.timestamp_opt(i.window_start, 0).single().unwrap_or_default(),
+                        consumed: i.consumed,
+                        fallback_admitted: i.fallback_admitted,
+                        shadow_refused: i.shadow_refused,
                     })
                     .collect(),
             };
@@ -611,6 +650,7 @@ async fn drain_local(app: &OutboxParts, epoch: i64) -> i64 {
                 window_start: Utc.timestamp_opt(p.window_start, 0).single().unwrap_or_default(),
                 consumed: 0,
                 fallback_admitted: p.admitted,
+                shadow_refused: 0,
             }],
         };
         match app.alloc.report(&req).await {
@@ -686,10 +726,25 @@ mod tests {
 
     #[test]
     fn entries_round_trip_as_the_scripts_write_them() {
-        let rep: Entry = serde_json::from_str(r#"{"k":"rep","rid":"a","items":[[60,3,1]]}"#).unwrap();
-        assert_eq!(rep, Entry::Report { rid: "a".into(), items: vec![(60, 3, 1)] });
-        let back: Entry = serde_json::from_str(&serde_json::to_string(&rep).unwrap()).unwrap();
+        let item = |window_start, consumed, fallback_admitted, shadow_refused| Item {
+            window_start,
+            consumed,
+            fallback_admitted,
+            shadow_refused,
+        };
+        let rep: Entry =
+            serde_json::from_str(r#"{"k":"rep","rid":"a","items":[[60,3,1],[120,0,0,7]]}"#).unwrap();
+        assert_eq!(
+            rep,
+            Entry::Report { rid: "a".into(), items: vec![item(60, 3, 1, 0), item(120, 0, 0, 7)] }
+        );
+        let text = serde_json::to_string(&rep).unwrap();
+        // Without shadow refusals an item keeps the three-number form an
+        // agent before shadow mode reads.
+        assert!(text.contains("[60,3,1]") && text.contains("[120,0,0,7]"), "{text}");
+        let back: Entry = serde_json::from_str(&text).unwrap();
         assert_eq!(back, rep);
+        assert!(serde_json::from_str::<Entry>(r#"{"k":"rep","rid":"a","items":[[60,3]]}"#).is_err());
         let rel: Entry = serde_json::from_str(r#"{"k":"rel","id":"x","u":4}"#).unwrap();
         assert_eq!(rel, Entry::Release { id: "x".into(), u: 4 });
         assert!(live_ttl(Duration::from_millis(200)) >= Duration::from_secs(10));

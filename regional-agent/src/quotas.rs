@@ -16,7 +16,7 @@
 use crate::batch::SpendQueue;
 use crate::identity::Identity;
 use crate::keys::Keys;
-use crate::scripts::{LossCause, Outcome, View};
+use crate::scripts::{Bucket, LossCause, Outcome, View};
 use crate::store::Store;
 use quota_shared::prom::Registry;
 use quota_shared::wire::{FailMode, GrantRequest, GrantResponse};
@@ -46,6 +46,10 @@ pub struct PolicyInfo {
     pub fail_mode: FailMode,
     pub fallback_allowance: i64,
     pub version: i64,
+    /// The per-key bucket, if the policy has one.
+    pub per_key: Option<Bucket>,
+    /// `false`: shadow mode (refuse nobody, count what would be refused).
+    pub enforce: bool,
 }
 
 impl PolicyInfo {
@@ -57,6 +61,8 @@ impl PolicyInfo {
             fail_mode: g.fail_mode,
             fallback_allowance: g.fallback_allowance,
             version: g.policy_version,
+            per_key: g.per_key.map(|k| Bucket { rate_milli: k.rate_milli().max(1), burst: k.burst.max(1) }),
+            enforce: g.enforce,
         }
     }
 
@@ -68,6 +74,10 @@ impl PolicyInfo {
             ("fail_mode", self.fail_mode.as_str().to_string()),
             ("fallback_allowance", self.fallback_allowance.to_string()),
             ("version", self.version.to_string()),
+            // "0" for none: HSET must overwrite a bucket the policy dropped.
+            ("per_key_rate_milli", self.per_key.map_or(0, |b| b.rate_milli).to_string()),
+            ("per_key_burst", self.per_key.map_or(0, |b| b.burst).to_string()),
+            ("enforce", if self.enforce { "1" } else { "0" }.to_string()),
         ]
     }
 
@@ -80,6 +90,15 @@ impl PolicyInfo {
             fail_mode: FailMode::parse(m.get("fail_mode")?)?,
             fallback_allowance: int("fallback_allowance")?,
             version: int("version")?,
+            // Absent (written by an agent before per-key limits) or 0: none.
+            per_key: match (int("per_key_rate_milli"), int("per_key_burst")) {
+                (Some(rate_milli), Some(burst)) if rate_milli > 0 && burst > 0 => {
+                    Some(Bucket { rate_milli, burst })
+                }
+                _ => None,
+            },
+            // Absent (written before shadow mode): enforced.
+            enforce: m.get("enforce").is_none_or(|v| v != "0"),
         };
         quota_shared::window::valid_window_secs(p.window_secs).then_some(p)
     }
@@ -461,8 +480,22 @@ mod tests {
             fail_mode: FailMode::Strict,
             fallback_allowance: 0,
             version: 3,
+            per_key: None,
+            enforce: true,
         };
-        let m: HashMap<String, String> = p.to_fields().into_iter().map(|(k, v)| (k.to_string(), v)).collect();
-        assert_eq!(PolicyInfo::from_fields(&m), Some(p));
+        let fields = |p: PolicyInfo| -> HashMap<String, String> {
+            p.to_fields().into_iter().map(|(k, v)| (k.to_string(), v)).collect()
+        };
+        assert_eq!(PolicyInfo::from_fields(&fields(p)), Some(p));
+        let with_key = PolicyInfo { per_key: Some(Bucket { rate_milli: 8000, burst: 8 }), ..p };
+        assert_eq!(PolicyInfo::from_fields(&fields(with_key)), Some(with_key));
+        // A cache written before per-key limits existed reads as none.
+        let mut old = fields(with_key);
+        old.remove("per_key_rate_milli");
+        old.remove("per_key_burst");
+        old.remove("enforce");
+        assert_eq!(PolicyInfo::from_fields(&old), Some(p));
+        let shadow = PolicyInfo { enforce: false, ..p };
+        assert_eq!(PolicyInfo::from_fields(&fields(shadow)), Some(shadow));
     }
 }

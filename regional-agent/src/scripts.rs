@@ -40,6 +40,8 @@ static FENCE: LazyLock<Script> =
     LazyLock::new(|| Script::new(&format!("{PRELUDE}\n{}", include_str!("../lua/fence.lua"))));
 /// `lua/unlock.lua`: releases the renew lock if still ours.
 static UNLOCK: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("../lua/unlock.lua")));
+/// `lua/shadow.lua`: counts a request a shadow-mode policy would have refused.
+static SHADOW: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("../lua/shadow.lua")));
 
 /// The quota a script runs on, as the agent knows it.
 #[derive(Debug, Clone, Copy)]
@@ -118,6 +120,17 @@ pub struct Common {
     pub allowance: i64,
     /// How long a request id is remembered (ms).
     pub rid_ttl_ms: i64,
+    /// The policy's per-key bucket, if it has one.
+    pub per_key: Option<Bucket>,
+}
+
+/// A per-key token bucket as the spend script takes it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Bucket {
+    /// Refill rate, milli-tokens per second (≥ 1).
+    pub rate_milli: i64,
+    /// Size in tokens (≥ 1).
+    pub burst: i64,
 }
 
 /// One request's part of a spend run.
@@ -129,6 +142,9 @@ pub struct Ask {
     pub rid: String,
     /// Whether this try counts toward demand (the first try of a request).
     pub count_demand: bool,
+    /// The per-key bucket's suffix ([`Keys::per_key_suffix`]), empty when
+    /// the request names no key (or the policy has no per-key limit).
+    pub key: String,
 }
 
 /// An admit.
@@ -138,6 +154,9 @@ pub struct Admit {
     pub source: String,
     pub window_start: i64,
     pub remaining: i64,
+    /// Whole tokens left in the request's per-key bucket after this admit
+    /// (`None` without a key, and for a repeated request id).
+    pub key_remaining: Option<i64>,
 }
 
 /// What the spend script decided for one request.
@@ -149,6 +168,13 @@ pub enum Spend {
     None {
         wait_ms: i64,
         exhausted_ms: i64,
+    },
+    /// The request's per-key bucket holds less than its cost: `retry_ms`
+    /// until it will hold enough; nothing was debited.
+    KeyLimited {
+        retry_ms: i64,
+        /// Whole tokens in the bucket.
+        remaining: i64,
     },
 }
 
@@ -180,8 +206,12 @@ fn spend_invocation(on: On<'_>, by: Caller<'_>, common: Common, asks: &[Ask]) ->
         .arg(COUNTER_TTL_MS)
         .arg(by.agent)
         .arg(by.epoch);
+    match common.per_key {
+        Some(b) => inv.arg(b.rate_milli).arg(b.burst),
+        None => inv.arg(0).arg(0),
+    };
     for a in asks {
-        inv.arg(a.cost).arg(&a.rid).arg(flag(a.count_demand));
+        inv.arg(a.cost).arg(&a.rid).arg(flag(a.count_demand)).arg(&a.key);
     }
     inv
 }
@@ -220,18 +250,22 @@ fn short() -> StoreError {
 fn decision(d: &Reply) -> Result<Spend, StoreError> {
     let code = d.str(0);
     Ok(match code.as_str() {
-        "lease" | "fallback" => {
-            Spend::Admit(Admit { source: code, window_start: d.int(1), remaining: d.int(2) })
-        }
+        "lease" | "fallback" => Spend::Admit(Admit {
+            source: code,
+            window_start: d.int(1),
+            remaining: d.int(2),
+            key_remaining: Some(d.int(3)).filter(|k| *k >= 0),
+        }),
         "dup" => {
             let s = d.str(1);
             let mut it = s.splitn(3, ':');
             let source = it.next().unwrap_or("lease").to_string();
             let ws = it.next().and_then(|v| v.parse().ok()).unwrap_or(0);
             let remaining = it.next().and_then(|v| v.parse().ok()).unwrap_or(0);
-            Spend::Admit(Admit { source, window_start: ws, remaining })
+            Spend::Admit(Admit { source, window_start: ws, remaining, key_remaining: None })
         }
         "none" => Spend::None { wait_ms: d.int(1), exhausted_ms: d.int(2) },
+        "key" => Spend::KeyLimited { retry_ms: d.int(1), remaining: d.int(2) },
         "" => return Err(short()),
         other => return Err(StoreError::Protocol(other.to_string())),
     })
@@ -414,6 +448,15 @@ pub async fn unlock(store: &Store, prefix: &str, holder: &str) -> Result<bool, S
     Ok(store.eval::<i64>(&inv).await? == 1)
 }
 
+/// Counts one request the quota's shadow-mode policy would have refused
+/// in the window starting at `window_start` (reported by the outbox).
+#[tracing::instrument(level = "debug", skip_all, fields(prefix = prefix))]
+pub async fn shadow(store: &Store, prefix: &str, window_start: i64) -> Result<(), StoreError> {
+    let mut inv = SHADOW.prepare_invoke();
+    inv.key(Keys::incarnation(prefix)).arg(prefix).arg(window_start).arg(COUNTER_TTL_MS);
+    store.eval::<i64>(&inv).await.map(|_| ())
+}
+
 /// A script's array answer, read field by field.
 struct Reply(Vec<Value>);
 
@@ -471,18 +514,19 @@ mod tests {
     }
 
     #[test]
-    fn spend_invocation_sends_one_key_ten_arguments_then_three_per_ask() {
-        let common = Common { fallback: true, window_secs: 60, allowance: 7, rid_ttl_ms: 1234 };
+    fn spend_invocation_sends_one_key_twelve_arguments_then_four_per_ask() {
+        let per_key = Some(Bucket { rate_milli: 8000, burst: 8 });
+        let common = Common { fallback: true, window_secs: 60, allowance: 7, rid_ttl_ms: 1234, per_key };
         let asks = [
-            Ask { cost: 3, rid: "3:r-1".into(), count_demand: true },
-            Ask { cost: 1, rid: String::new(), count_demand: false },
+            Ask { cost: 3, rid: "3:r-1".into(), count_demand: true, key: "5:alice".into() },
+            Ask { cost: 1, rid: String::new(), count_demand: false, key: String::new() },
         ];
         let on = On { prefix: "q:{1:a/1:b}:", token: "tok" };
         let inv = spend_invocation(on, Caller { agent: "eu-1", epoch: 9 }, common, &asks);
-        // KEYS[1] is the incarnation key; ten ARGV, then three per ask
+        // KEYS[1] is the incarnation key; twelve ARGV, then four per ask
         // (the arguments themselves are not shown by the redis crate).
         let shown = format!("{inv:?}");
-        assert!(shown.contains("args: 16") && shown.contains("keys: 1"), "{shown}");
+        assert!(shown.contains("args: 20") && shown.contains("keys: 1"), "{shown}");
     }
 
     #[test]
@@ -490,19 +534,26 @@ mod tests {
         let ok = reply(vec![
             bulk("ok"),
             bulk("tok"),
-            Value::Array(vec![bulk("lease"), Value::Int(60), Value::Int(4)]),
+            Value::Array(vec![bulk("lease"), Value::Int(60), Value::Int(4), Value::Int(-1)]),
             Value::Array(vec![bulk("dup"), bulk("fallback:120:2")]),
             Value::Array(vec![bulk("none"), Value::Int(-1), Value::Int(700), Value::Int(0)]),
+            Value::Array(vec![bulk("fallback"), Value::Int(120), Value::Int(1), Value::Int(5)]),
+            Value::Array(vec![bulk("key"), Value::Int(125), Value::Int(0)]),
         ]);
-        let got = read_spend(&ok, 3).unwrap();
+        let got = read_spend(&ok, 5).unwrap();
+        let admit = |source: &str, window_start, remaining, key_remaining| {
+            Spend::Admit(Admit { source: source.into(), window_start, remaining, key_remaining })
+        };
         let want = vec![
-            Spend::Admit(Admit { source: "lease".into(), window_start: 60, remaining: 4 }),
-            Spend::Admit(Admit { source: "fallback".into(), window_start: 120, remaining: 2 }),
+            admit("lease", 60, 4, None),
+            admit("fallback", 120, 2, None),
             Spend::None { wait_ms: -1, exhausted_ms: 700 },
+            admit("fallback", 120, 1, Some(5)),
+            Spend::KeyLimited { retry_ms: 125, remaining: 0 },
         ];
         assert_eq!(got, Outcome::Ran { token: "tok".into(), value: want });
         // Fewer decisions than requests is a protocol error, not a refusal.
-        assert!(matches!(read_spend(&ok, 4), Err(StoreError::Protocol(_))));
+        assert!(matches!(read_spend(&ok, 6), Err(StoreError::Protocol(_))));
     }
 
     #[test]

@@ -38,6 +38,8 @@ pub fn router() -> Router<AppState> {
 pub const MAX_COST: i64 = 1_000_000_000;
 /// Longest `request_id` accepted.
 pub const MAX_REQUEST_ID_LEN: usize = 128;
+/// Longest `key` (the principal of a per-key limit) accepted.
+pub const MAX_KEY_LEN: usize = 128;
 /// How long past its window's end a request id is remembered.
 pub const REQUEST_ID_MARGIN_MS: i64 = 10_000;
 /// Longest a request waits for a next-window lease about to open.
@@ -57,6 +59,17 @@ pub struct AcquireRequest {
     pub cost: i64,
     #[serde(default)]
     pub request_id: Option<String>,
+    /// The principal (user, API key) whose per-key bucket the request
+    /// spends: 1 to 128 visible ASCII characters. Required when the
+    /// quota's policy has `per_key` (422 otherwise); ignored when it has none.
+    #[serde(default)]
+    #[schema(min_length = 1, max_length = 128, pattern = "^[!-~]{1,128}$")]
+    pub key: Option<String>,
+}
+
+/// Whether `s` is 1 to `max` visible ASCII characters (no space, no control).
+fn visible_ascii(s: &str, max: usize) -> bool {
+    !s.is_empty() && s.len() <= max && s.chars().all(|c| c.is_ascii_graphic())
 }
 
 fn parse(body: std::result::Result<Bytes, BytesRejection>) -> Result<AcquireRequest> {
@@ -70,7 +83,7 @@ fn parse(body: std::result::Result<Bytes, BytesRejection>) -> Result<AcquireRequ
     let req: AcquireRequest = serde_json::from_slice(&bytes).map_err(|e| match e.classify() {
         serde_json::error::Category::Data => {
             let msg = e.to_string();
-            let field = ["tenant", "resource", "cost", "request_id"]
+            let field = ["tenant", "resource", "cost", "request_id", "key"]
                 .into_iter()
                 .find(|f| msg.contains(&format!("`{f}`")))
                 .unwrap_or("body");
@@ -85,10 +98,18 @@ fn parse(body: std::result::Result<Bytes, BytesRejection>) -> Result<AcquireRequ
         return Err(Error::invalid("cost", format!("must be between 1 and {MAX_COST}, got {}", req.cost)));
     }
     if let Some(r) = &req.request_id {
-        if r.is_empty() || r.len() > MAX_REQUEST_ID_LEN || !r.chars().all(|c| c.is_ascii_graphic()) {
+        if !visible_ascii(r, MAX_REQUEST_ID_LEN) {
             return Err(Error::invalid(
                 "request_id",
                 format!("must be 1 to {MAX_REQUEST_ID_LEN} visible ASCII characters"),
+            ));
+        }
+    }
+    if let Some(k) = &req.key {
+        if !visible_ascii(k, MAX_KEY_LEN) {
+            return Err(Error::invalid(
+                "key",
+                format!("must be 1 to {MAX_KEY_LEN} visible ASCII characters"),
             ));
         }
     }
@@ -101,13 +122,13 @@ fn parse(body: std::result::Result<Bytes, BytesRejection>) -> Result<AcquireRequ
     path = "/v1/acquire",
     request_body = AcquireRequest,
     responses(
-        (status = 200, description = "Admitted: {allowed: true, source: lease|fallback, window_start, remaining}; carries RateLimit-Policy and RateLimit"),
+        (status = 200, description = "Admitted: {allowed: true, source: lease|fallback, window_start, remaining, key_remaining (with a per-key limit: whole tokens left in the key's bucket), shadow_refused (a policy in shadow mode: true where an enforced one would answer 429; then source is shadow and limit names what would have refused)}; carries RateLimit-Policy and RateLimit for the most restrictive limit"),
         (status = 400, description = "Malformed JSON", body = quota_shared::wire::ErrorBody),
         (status = 404, description = "unknown_quota: the allocator has no policy for it", body = quota_shared::wire::ErrorBody),
         (status = 413, description = "payload_too_large: the body is over 64 KiB", body = quota_shared::wire::ErrorBody),
-        (status = 422, description = "Invalid value; the message names the field", body = quota_shared::wire::ErrorBody),
+        (status = 422, description = "Invalid value; the message names the field (also: key missing for a quota with a per-key limit, cost above its burst)", body = quota_shared::wire::ErrorBody),
         (status = 409, description = "request_id_mismatch: the request_id was first used with another resource or cost (tenant-wide, until its window ends)", body = quota_shared::wire::ErrorBody),
-        (status = 429, description = "quota_exhausted with retry_after_s and Retry-After: only when the allocator said the pool is empty"),
+        (status = 429, description = "quota_exhausted (limit: the resource; only when the allocator said the pool is empty) or per_key_limited (limit: per_key; the key's bucket holds less than the cost, Retry-After from its refill), with allowed: false, retry_after_s, Retry-After, RateLimit-Policy and RateLimit"),
         (status = 503, description = "allocator_unreachable (strict mode) or store_unavailable, with Retry-After"),
     ),
     tag = "agent"
@@ -120,6 +141,7 @@ pub(crate) async fn acquire(
     let started = Instant::now();
     let mut policy = None;
     let mut name = String::from("unknown");
+    let mut req_resource = String::new();
     let span = tracing::Span::current();
     let result = match parse(body) {
         Ok(req) => {
@@ -127,30 +149,58 @@ pub(crate) async fn acquire(
             span.record("resource", req.resource.as_str());
             span.record("cost", req.cost);
             name = format!("{}/{}", req.tenant, req.resource);
+            req_resource.clone_from(&req.resource);
             decide(&app, &req, &mut policy).await
         }
         Err(e) => Err(e),
     };
     let now = app.clock.now_utc();
+    let key_remaining = match &result {
+        Ok(d) => d.admit.key_remaining,
+        Err(Error::KeyLimited { remaining, .. }) => Some(*remaining),
+        Err(_) => None,
+    };
     let (outcome, remaining, mut resp) = match result {
-        Ok(a) => {
-            let body = json!({
+        Ok(Decided { admit: a, shadow }) => {
+            let mut body = json!({
                 "allowed": true,
                 "source": a.source,
                 "window_start": Utc.timestamp_opt(a.window_start, 0).single().unwrap_or_default(),
                 "remaining": a.remaining,
             });
-            let outcome = if a.source == "fallback" { "fallback" } else { "lease" };
+            if let Some(k) = a.key_remaining {
+                body["key_remaining"] = json!(k);
+            }
+            if policy.is_some_and(|p| !p.enforce) {
+                body["shadow_refused"] = json!(shadow.is_some());
+            }
+            let outcome = match (&shadow, a.source.as_str()) {
+                (Some(_), _) => "shadow_refused",
+                (None, "fallback") => "fallback",
+                (None, _) => "lease",
+            };
             if outcome == "fallback" {
                 app.metrics.inc("agent_fallback_admits_total", &[]);
             }
-            (outcome, a.remaining, (StatusCode::OK, Json(body)).into_response())
+            // As for a refusal: a key's says nothing of the quota's balance.
+            let remaining = match &shadow {
+                Some(Shadow::PerKey) => i64::MAX,
+                _ => a.remaining,
+            };
+            if let Some(s) = &shadow {
+                body["limit"] = json!(s.limit(&req_resource));
+            }
+            (outcome, remaining, (StatusCode::OK, Json(body)).into_response())
         }
+        // A key's refusal says nothing of the quota's balance: the
+        // headers then describe the key's bucket (the quota counts as
+        // unlimited for the comparison).
+        Err(e @ Error::KeyLimited { .. }) => (e.code(), i64::MAX, e.into_response()),
         Err(e) => (e.code(), 0, e.into_response()),
     };
     span.record("outcome", outcome);
     tracing::debug!(remaining, "acquire answered");
-    rate_limit_headers(resp.headers_mut(), &name, policy, remaining, now);
+    rate_limit_headers(resp.headers_mut(), &name, policy, remaining, key_remaining, now);
     app.metrics.inc("agent_acquire_total", &[("outcome", outcome)]);
     crate::gauges::count_refusal(&app.metrics, &name, policy.is_some(), outcome);
     app.fleet_status.count(&name, policy, outcome, app.allocator_now());
@@ -159,28 +209,74 @@ pub(crate) async fn acquire(
 }
 
 /// `RateLimit-Policy` and `RateLimit` in the IETF httpapi draft's
-/// structured-field form: `"<tenant>/<resource>";q=<limit>;w=<window>` and
-/// `"<tenant>/<resource>";r=<remaining>;t=<seconds to the window end>`.
-/// Before the policy is known both say 0.
+/// structured-field form, for the most restrictive limit of the request
+/// (see [`header_limit`]). Before the policy is known both say 0.
 pub fn rate_limit_headers(
     h: &mut HeaderMap,
     name: &str,
     policy: Option<PolicyInfo>,
     remaining: i64,
+    key_remaining: Option<i64>,
     now: chrono::DateTime<Utc>,
 ) {
-    let (q, w, t) = match policy {
-        Some(p) => {
-            let win = Window::containing(now, p.window_secs);
-            (p.limit, p.window_secs, (win.ms_until_end(now) + 999) / 1000)
-        }
-        None => (0, 0, 0),
-    };
-    if let Ok(v) = HeaderValue::from_str(&format!("\"{name}\";q={q};w={w}")) {
+    let l = header_limit(name, policy, remaining, key_remaining, now);
+    if let Ok(v) = HeaderValue::from_str(&format!("\"{}\";q={};w={}", l.name, l.q, l.w)) {
         h.insert("ratelimit-policy", v);
     }
-    if let Ok(v) = HeaderValue::from_str(&format!("\"{name}\";r={};t={t}", remaining.max(0))) {
+    if let Ok(v) = HeaderValue::from_str(&format!("\"{}\";r={};t={}", l.name, l.r, l.t)) {
         h.insert("ratelimit", v);
+    }
+}
+
+/// One limit as the `RateLimit` headers show it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HeaderLimit {
+    pub name: String,
+    /// Quota units per `w` seconds.
+    pub q: i64,
+    pub w: i64,
+    /// Units left, and seconds until the limit is whole again.
+    pub r: i64,
+    pub t: i64,
+}
+
+/// The limit the headers describe: the quota
+/// (`"<tenant>/<resource>";q=<limit>;w=<window>`, `r=<remaining>;t=<seconds
+/// to the window end>`), or, when the request's per-key bucket has fewer
+/// tokens left, the bucket (`"<tenant>/<resource>/per_key";q=<burst>;w=<seconds
+/// to refill from empty>`, `r=<tokens left>;t=<seconds until full>`).
+pub fn header_limit(
+    name: &str,
+    policy: Option<PolicyInfo>,
+    remaining: i64,
+    key_remaining: Option<i64>,
+    now: chrono::DateTime<Utc>,
+) -> HeaderLimit {
+    let Some(p) = policy else {
+        return HeaderLimit { name: name.to_string(), q: 0, w: 0, r: 0, t: 0 };
+    };
+    let remaining = remaining.max(0);
+    if let (Some(b), Some(k)) = (p.per_key, key_remaining) {
+        let k = k.clamp(0, b.burst);
+        if k < remaining {
+            // Seconds for `tokens` to refill at `rate_milli` milli-tokens/s.
+            let refill = |tokens: i64| (tokens.saturating_mul(1000) + b.rate_milli - 1) / b.rate_milli;
+            return HeaderLimit {
+                name: format!("{name}/per_key"),
+                q: b.burst,
+                w: refill(b.burst).max(1),
+                r: k,
+                t: refill(b.burst - k),
+            };
+        }
+    }
+    let win = Window::containing(now, p.window_secs);
+    HeaderLimit {
+        name: name.to_string(),
+        q: p.limit,
+        w: p.window_secs,
+        r: remaining,
+        t: (win.ms_until_end(now) + 999) / 1000,
     }
 }
 
@@ -194,8 +290,50 @@ async fn wait_renewal(q: &Quota, cost: i64, d: Duration) {
     let _ = tokio::time::timeout(d, n).await;
 }
 
+/// The limit a shadow-mode policy would have refused with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Shadow {
+    /// The key's bucket was short (`429 per_key_limited` if enforced).
+    PerKey,
+    /// The quota's pool was empty (`429 quota_exhausted` if enforced).
+    Quota,
+}
+
+impl Shadow {
+    /// The `limit` an enforced policy's 429 would name.
+    pub fn limit(self, resource: &str) -> &str {
+        match self {
+            Shadow::PerKey => "per_key",
+            Shadow::Quota => resource,
+        }
+    }
+
+    /// The refusal a shadow-mode policy turns into an admit, if `e` is one:
+    /// only the 429s (a 503 is no decision, and a shadow policy cannot
+    /// decide either).
+    pub fn of(e: &Error) -> Option<Shadow> {
+        match e {
+            Error::KeyLimited { .. } => Some(Shadow::PerKey),
+            Error::Exhausted { .. } => Some(Shadow::Quota),
+            _ => None,
+        }
+    }
+}
+
+/// An admit, and whether it is one only because the policy is in shadow
+/// mode (then nothing was debited: the decision was a refusal).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Decided {
+    pub admit: Admit,
+    pub shadow: Option<Shadow>,
+}
+
 /// Makes the decision for a valid request.
-async fn decide(app: &AppState, req: &AcquireRequest, policy_out: &mut Option<PolicyInfo>) -> Result<Admit> {
+async fn decide(
+    app: &AppState,
+    req: &AcquireRequest,
+    policy_out: &mut Option<PolicyInfo>,
+) -> Result<Decided> {
     // Nothing is decided on a Redis that may evict the agent's keys (see `guard`).
     app.guard.admit()?;
     if app.unknown.contains(&req.tenant, &req.resource) {
@@ -239,13 +377,27 @@ async fn decide(app: &AppState, req: &AcquireRequest, policy_out: &mut Option<Po
     if req.cost > p.limit {
         return Err(Error::invalid("cost", format!("{} is above the quota's limit {}", req.cost, p.limit)));
     }
+    if let Some(b) = p.per_key {
+        if req.key.is_none() {
+            return Err(Error::invalid(
+                "key",
+                "the quota has a per-key limit: name the principal (user, API key) the request spends for",
+            ));
+        }
+        if req.cost > b.burst {
+            return Err(Error::invalid(
+                "cost",
+                format!("{} is above the per-key burst {}", req.cost, b.burst),
+            ));
+        }
+    }
     let claimed = match &req.request_id {
         Some(rid) => match claim_request_id(app, req, rid, p).await {
             Ok(c) => c,
             Err(ClaimError::Mismatch(m)) => return Err(Error::RequestIdMismatch(m)),
             Err(ClaimError::Store(e)) => {
                 tracing::warn!(tenant = %req.tenant, resource = %req.resource, error = %e, "request id claim failed");
-                return local_fallback(app, req, p);
+                return local_fallback(app, req, p).map(|admit| Decided { admit, shadow: None });
             }
         },
         None => false,
@@ -253,11 +405,40 @@ async fn decide(app: &AppState, req: &AcquireRequest, policy_out: &mut Option<Po
     let decided = spend_with_waits(app, &q, p, req).await;
     if claimed && decided.is_err() {
         // Only admits are remembered: a refused request may be retried
-        // with the same id and another cost.
+        // with the same id and another cost (a shadow admit is a refusal).
         let key = app.keys.request_id_claim(&req.tenant, req.request_id.as_deref().unwrap_or_default());
         let _: std::result::Result<i64, _> = app.store.cmd(redis::cmd("DEL").arg(key)).await;
     }
-    decided
+    match decided {
+        Ok(admit) => Ok(Decided { admit, shadow: None }),
+        Err(e) => match Shadow::of(&e).filter(|_| !p.enforce) {
+            Some(s) => Ok(shadow_admit(app, &q, p, s, &e).await),
+            None => Err(e),
+        },
+    }
+}
+
+/// Shadow mode: the refusal `e` an enforced policy would answer becomes an
+/// admit that debits nothing, counted for the window's report.
+async fn shadow_admit(app: &AppState, q: &Quota, p: PolicyInfo, s: Shadow, e: &Error) -> Decided {
+    let ws = Window::containing(app.allocator_now(), p.window_secs).start;
+    if let Err(err) = scripts::shadow(&app.store, &q.prefix, ws).await {
+        tracing::warn!(tenant = %q.tenant, resource = %q.resource, error = %err, "shadow refusal not counted");
+        app.metrics.inc("agent_shadow_uncounted_total", &[]);
+    }
+    let limit = match s {
+        Shadow::PerKey => "per_key",
+        Shadow::Quota => "quota",
+    };
+    app.metrics.inc("agent_shadow_refusals_total", &[("limit", limit)]);
+    let key_remaining = match e {
+        Error::KeyLimited { remaining, .. } => Some(*remaining),
+        _ => None,
+    };
+    Decided {
+        admit: Admit { source: "shadow".into(), window_start: ws, remaining: 0, key_remaining },
+        shadow: Some(s),
+    }
 }
 
 /// Most spend runs one request makes (a bound on the loop, whatever the
@@ -351,6 +532,10 @@ async fn spend_with_waits(
             // fresh incarnation.
             Outcome::Lost(_) => continue,
             Outcome::Ran { value: Spend::None { wait_ms, exhausted_ms }, .. } => (wait_ms, exhausted_ms),
+            // The key's own limit: no renewal or fallback changes it.
+            Outcome::Ran { value: Spend::KeyLimited { retry_ms, remaining }, .. } => {
+                return Err(Error::KeyLimited { retry_after_ms: retry_ms, remaining })
+            }
         };
         counted = true;
         let seen =
@@ -359,7 +544,9 @@ async fn spend_with_waits(
             Step::SleepOpen(d) => tokio::time::sleep(d).await,
             Step::WaitRenewal(d) => wait_renewal(q, req.cost, d).await,
             Step::Again => {}
-            Step::Exhausted(ms) => return Err(Error::Exhausted { retry_after_ms: ms }),
+            Step::Exhausted(ms) => {
+                return Err(Error::Exhausted { resource: req.resource.clone(), retry_after_ms: ms })
+            }
             Step::Unavailable => {
                 if reachable {
                     tracing::debug!(tenant = %req.tenant, resource = %req.resource,
@@ -390,7 +577,12 @@ async fn claim_request_id(
     p: PolicyInfo,
 ) -> std::result::Result<bool, ClaimError> {
     let key = app.keys.request_id_claim(&req.tenant, rid);
-    let value = format!("{}:{}:{}", req.resource.len(), req.resource, req.cost);
+    // The key joins the claim only when given, so a claim written before
+    // per-key limits existed still matches its keyless repeat.
+    let value = match &req.key {
+        None => format!("{}:{}:{}", req.resource.len(), req.resource, req.cost),
+        Some(k) => format!("{}:{}:{}:{}:{k}", req.resource.len(), req.resource, req.cost, k.len()),
+    };
     let ttl = request_id_ttl_ms(app, p);
     let old: Option<String> = app
         .store
@@ -403,11 +595,19 @@ async fn claim_request_id(
         Some(o) => {
             let first = o.split_once(':').and_then(|(n, rest)| {
                 let n: usize = n.parse().ok()?;
-                let (res, cost) = (rest.get(..n)?, rest.get(n + 1..)?);
-                Some(format!("resource {res:?} with cost {cost}"))
+                let (res, after) = (rest.get(..n)?, rest.get(n + 1..)?);
+                let (cost, key) = match after.split_once(':') {
+                    Some((cost, key)) => (cost, key.split_once(':').map(|(_, k)| k)),
+                    None => (after, None),
+                };
+                Some(match key {
+                    Some(k) => format!("resource {res:?} with cost {cost} and key {k:?}"),
+                    None => format!("resource {res:?} with cost {cost}"),
+                })
             });
+            let key = req.key.as_ref().map(|k| format!(" and key {k:?}")).unwrap_or_default();
             Err(ClaimError::Mismatch(format!(
-                "request_id {rid:?} was first used for {}; this request names resource {:?} with cost {}",
+                "request_id {rid:?} was first used for {}; this request names resource {:?} with cost {}{key}",
                 first.unwrap_or_else(|| "another request".into()),
                 req.resource,
                 req.cost
@@ -430,7 +630,9 @@ fn local_fallback(app: &AppState, req: &AcquireRequest, p: PolicyInfo) -> Result
     }
     let ws = Window::containing(app.allocator_now(), p.window_secs).start;
     match app.local.try_admit(&req.tenant, &req.resource, ws, req.cost, n) {
-        Some(remaining) => Ok(Admit { source: "fallback".into(), window_start: ws, remaining }),
+        Some(remaining) => {
+            Ok(Admit { source: "fallback".into(), window_start: ws, remaining, key_remaining: None })
+        }
         None => Err(Error::StoreUnavailable),
     }
 }
@@ -448,9 +650,14 @@ async fn spend_once(
         window_secs: p.window_secs,
         allowance: p.fallback_allowance,
         rid_ttl_ms: request_id_ttl_ms(app, p),
+        per_key: p.per_key,
     };
     let rid = req.request_id.as_deref().map(Keys::request_id_suffix).unwrap_or_default();
-    let ask = Ask { cost: req.cost, rid, count_demand };
+    let key = match (p.per_key, &req.key) {
+        (Some(_), Some(k)) => Keys::per_key_suffix(k),
+        _ => String::new(),
+    };
+    let ask = Ask { cost: req.cost, rid, count_demand, key };
     let sent = Instant::now();
     let run = {
         let (app, q) = (app.clone(), q.clone());
@@ -592,5 +799,58 @@ mod step_tests {
             tries += 1;
         }
         assert!(waited >= B && tries <= 2, "{waited:?} {tries}");
+    }
+}
+
+#[cfg(test)]
+mod header_tests {
+    use super::*;
+    use crate::scripts::Bucket;
+
+    fn policy(per_key: Option<Bucket>) -> PolicyInfo {
+        PolicyInfo {
+            limit: 100,
+            window_secs: 60,
+            fail_mode: FailMode::Bounded,
+            fallback_allowance: 1,
+            version: 1,
+            per_key,
+            enforce: true,
+        }
+    }
+
+    fn lim(name: &str, q: i64, w: i64, r: i64, t: i64) -> HeaderLimit {
+        HeaderLimit { name: name.into(), q, w, r, t }
+    }
+
+    #[test]
+    fn the_headers_describe_the_most_restrictive_limit() {
+        // 20 s before the window's end.
+        let now = chrono::DateTime::from_timestamp(1_800_000_040, 0).unwrap();
+        let key = Some(Bucket { rate_milli: 2000, burst: 8 });
+        let cases = [
+            // Policy unknown: zeros.
+            (None, 5, None, lim("a/r", 0, 0, 0, 0)),
+            // No per-key limit: the quota.
+            (Some(policy(None)), 42, None, lim("a/r", 100, 60, 42, 20)),
+            // A key with more left than the quota: the quota.
+            (Some(policy(key)), 3, Some(7), lim("a/r", 100, 60, 3, 20)),
+            // Equal: the quota (the key is not stricter).
+            (Some(policy(key)), 7, Some(7), lim("a/r", 100, 60, 7, 20)),
+            // The key is stricter: its bucket, refilled at 2/s: 8 tokens
+            // take 4 s from empty, 3 missing take 1.5 s, shown as 2.
+            (Some(policy(key)), 40, Some(5), lim("a/r/per_key", 8, 4, 5, 2)),
+            // A key refusal (the quota counts as unlimited).
+            (Some(policy(key)), i64::MAX, Some(0), lim("a/r/per_key", 8, 4, 0, 4)),
+            // A negative quota remaining shows as 0.
+            (Some(policy(None)), -3, None, lim("a/r", 100, 60, 0, 20)),
+        ];
+        for (p, remaining, key_remaining, want) in cases {
+            assert_eq!(
+                header_limit("a/r", p, remaining, key_remaining, now),
+                want,
+                "{p:?} {remaining} {key_remaining:?}"
+            );
+        }
     }
 }

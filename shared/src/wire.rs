@@ -66,6 +66,49 @@ pub struct PolicySpec {
     /// `bounded` or `strict`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fail_mode: Option<FailMode>,
+    /// A token bucket per principal (the acquire's `key`), checked before
+    /// the quota, enforced by each region on its own traffic.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub per_key: Option<PerKey>,
+    /// `false`: shadow mode. The policy decides and counts exactly as an
+    /// enforced one, but a request it would refuse is admitted with
+    /// `shadow_refused: true` (default `true`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub enforce: Option<bool>,
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// A per-key limit: a token bucket of `burst` tokens refilled at
+/// `rate_per_sec` (kept as integer milli-tokens per second, so rates are
+/// multiples of 0.001/s).
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq)]
+#[cfg_attr(feature = "service", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct PerKey {
+    /// Tokens added per second, 0.001 to 1,000,000,000.
+    #[cfg_attr(feature = "service", schema(minimum = 0.001, maximum = 1_000_000_000.0))]
+    pub rate_per_sec: f64,
+    /// Bucket size: the most one key may spend at once, 1 to 1,000,000,000.
+    #[cfg_attr(feature = "service", schema(minimum = 1, maximum = 1_000_000_000))]
+    pub burst: i64,
+}
+
+impl PerKey {
+    /// Largest `rate_per_sec` and `burst`.
+    pub const MAX: i64 = 1_000_000_000;
+
+    /// The rate in milli-tokens per second, as stored and sent to Redis.
+    pub fn rate_milli(&self) -> i64 {
+        (self.rate_per_sec * 1000.0).round() as i64
+    }
+
+    /// The wire form of a stored `(rate_milli, burst)` pair.
+    pub fn from_stored(rate_milli: Option<i64>, burst: Option<i64>) -> Option<PerKey> {
+        Some(PerKey { rate_per_sec: rate_milli? as f64 / 1000.0, burst: burst? })
+    }
 }
 
 /// A policy in force.
@@ -81,6 +124,11 @@ pub struct Policy {
     pub lease_ttl_secs: i64,
     pub fallback_per_region: i64,
     pub fail_mode: FailMode,
+    /// The per-key bucket, when the policy has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub per_key: Option<PerKey>,
+    /// `false`: shadow mode (refuses nobody, counts what it would refuse).
+    pub enforce: bool,
     /// Strictly increasing per quota.
     pub version: i64,
     pub updated_at: DateTime<Utc>,
@@ -181,6 +229,13 @@ pub struct GrantResponse {
     pub fallback_allowance: i64,
     pub fail_mode: FailMode,
     pub pool: PoolSnapshot,
+    /// The policy's per-key bucket (as of `policy_version`), when it has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub per_key: Option<PerKey>,
+    /// `false`: the policy (as of `policy_version`) is in shadow mode. An
+    /// allocator older than shadow mode omits it: enforced.
+    #[serde(default = "yes")]
+    pub enforce: bool,
     /// Present when `tokens` is 0: when asking again may help.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub retry_after_ms: Option<i64>,
@@ -234,6 +289,15 @@ pub struct ReportItem {
     pub consumed: i64,
     /// Tokens admitted from the fallback allowance.
     pub fallback_admitted: i64,
+    /// Requests a shadow-mode policy would have refused (admitted anyway).
+    /// Omitted when 0, so an allocator older than shadow mode accepts the
+    /// report of a quota that never had one.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub shadow_refused: i64,
+}
+
+fn is_zero(n: &i64) -> bool {
+    *n == 0
 }
 
 /// `POST /v1/reports` body; idempotent by `report_id` (I7).

@@ -68,6 +68,16 @@ async fn invalid_policies_are_422_naming_the_field_and_change_nothing() {
         (json!({"limit": "100", "window_secs": 60}), "limit"),
         (json!({"limit": 1e30, "window_secs": 60}), "limit"),
         (json!({"limit": 100, "window_secs": 60, "colour": "blue"}), "colour"),
+        (
+            json!({"limit": 100, "window_secs": 60, "per_key": {"rate_per_sec": 0, "burst": 5}}),
+            "per_key.rate_per_sec",
+        ),
+        (
+            json!({"limit": 100, "window_secs": 60, "per_key": {"rate_per_sec": 1, "burst": 0}}),
+            "per_key.burst",
+        ),
+        (json!({"limit": 100, "window_secs": 60, "per_key": {"rate_per_sec": 1}}), "burst"),
+        (json!({"limit": 100, "window_secs": 60, "per_key": {"rate_per_sec": 1, "burst": 2, "x": 1}}), "x"),
     ];
     for (body, field) in cases {
         let r = s.http.put("/v1/policies/atlas/read", &body).await;
@@ -137,4 +147,34 @@ async fn i9_a_pool_created_for_the_next_window_takes_a_later_change() {
     put_policy(&s.http, "atlas", "read", json!({"limit": 700, "window_secs": 3600})).await;
     let (pools, _) = pool_rows(&s.alloc.state.db, "atlas", "read").await;
     assert_eq!(pools, vec![(700, 0, 0)]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_per_key_bucket_is_kept_with_its_version_and_told_with_every_grant() {
+    let s = Stack::start().await;
+    let body = json!({"limit": 1000, "window_secs": 60, "per_key": {"rate_per_sec": 8.5, "burst": 8}});
+    let p1 = put_policy(&s.http, "atlas", "read", body).await;
+    assert_eq!(p1["per_key"], json!({"rate_per_sec": 8.5, "burst": 8}));
+    assert_eq!(s.http.get("/v1/policies/atlas/read").await.expect(200).body, p1);
+    let epoch = register(&s.http, "eu", "eu-1").await;
+    let g1 = grant(&s.http, &grant_body("atlas", "read", "eu", "eu-1", epoch, 1, 10, 1.0)).await.expect(200);
+    assert_eq!(g1.body["per_key"], json!({"rate_per_sec": 8.5, "burst": 8}));
+
+    // Dropped in version 2: later grants say so; a replay of the first
+    // grant answers exactly as first granted (version 1, its bucket).
+    let p2 = put_policy(&s.http, "atlas", "read", json!({"limit": 1000, "window_secs": 60})).await;
+    assert!(p2.get("per_key").is_none(), "{p2}");
+    let g2 = grant(&s.http, &grant_body("atlas", "read", "eu", "eu-1", epoch, 2, 10, 1.0)).await.expect(200);
+    assert!(g2.body.get("per_key").is_none(), "{}", g2.body);
+    assert_eq!(g2.body["policy_version"], 2);
+    let replay =
+        grant(&s.http, &grant_body("atlas", "read", "eu", "eu-1", epoch, 1, 10, 1.0)).await.expect(200);
+    assert_eq!(replay.body["per_key"], g1.body["per_key"]);
+    assert_eq!(replay.body["policy_version"], 1);
+
+    let v = s.http.get("/v1/policies/atlas/read/versions").await.expect(200);
+    let versions = v.body["versions"].as_array().expect("versions");
+    assert_eq!(versions[0]["per_key_rate_milli"], 8500);
+    assert_eq!(versions[0]["per_key_burst"], 8);
+    assert!(versions[1].get("per_key_rate_milli").is_none(), "{}", versions[1]);
 }

@@ -1,6 +1,7 @@
 insert into policy (tenant, resource, limit_tokens, window_secs, chunk_min, chunk_max, lease_ttl_secs,
-                    fallback_per_region, fail_mode, version, updated_at, updated_by)
-values ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)
+                    fallback_per_region, fail_mode, version, updated_at, updated_by, per_key_rate_milli,
+                    per_key_burst, enforce)
+values ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)
 on conflict (tenant, resource) do update set
     limit_tokens = excluded.limit_tokens,
     window_secs = excluded.window_secs,
@@ -11,6 +12,9 @@ on conflict (tenant, resource) do update set
     fail_mode = excluded.fail_mode,
     version = excluded.version,
     updated_at = excluded.updated_at,
-    updated_by = excluded.updated_by
+    updated_by = excluded.updated_by,
+    per_key_rate_milli = excluded.per_key_rate_milli,
+    per_key_burst = excluded.per_key_burst,
+    enforce = excluded.enforce
 returning tenant, resource, limit_tokens, window_secs, chunk_min, chunk_max, lease_ttl_secs,
-          fallback_per_region, fail_mode, version, updated_at
+          fallback_per_region, fail_mode, per_key_rate_milli, per_key_burst, enforce, version, updated_at

@@ -10,7 +10,8 @@ select p.window_start, p.window_secs, p.limit_tokens, p.fallback_per_region, p.g
        -- "?": null for a pool without region rows (the macros cannot tell
        -- that from the outer join).
        r.region as "region?", r.granted as "r_granted?", r.returned as "r_returned?", r.consumed as "r_consumed?",
-       r.fallback_admitted as "r_fallback?", r.demand_per_sec as "r_demand?"
+       r.fallback_admitted as "r_fallback?", r.demand_per_sec as "r_demand?",
+       r.shadow_refused as "r_shadow_refused?"
 from p
 left join pool_region r
   on r.tenant = p.tenant and r.resource = p.resource

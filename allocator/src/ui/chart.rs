@@ -177,6 +177,7 @@ mod tests {
             consumed: 10,
             fallback_admitted: 5,
             fallback_repaid: 0,
+            shadow_refused: 0,
             admitted: 15,
             overshoot: 0,
             bound: 110,

@@ -31,6 +31,11 @@ use std::time::Duration;
 
 const TENANT: &str = "bench";
 const RESOURCE: &str = "read";
+/// The same quota with a per-key bucket (issue 17): one bucket per client,
+/// sized so that it never refuses, so the figure is the bucket's cost.
+const RESOURCE_PER_KEY: &str = "read-per-key";
+/// Clients of the per-key comparison.
+pub const PER_KEY_CLIENTS: usize = 16;
 /// Large enough that no measurement can run the pool dry.
 const LIMIT: i64 = 1_000_000_000;
 const WINDOW_SECS: i64 = 86_400;
@@ -48,15 +53,32 @@ fn client() -> Result<reqwest::Client, String> {
 }
 
 fn acquire_op(client: reqwest::Client, base: &str) -> Op {
+    acquire_op_for(client, base, RESOURCE, false)
+}
+
+/// `POST /v1/acquire` on `resource`; with `per_key`, client `i` names the
+/// key `user-<i>`.
+fn acquire_op_for(client: reqwest::Client, base: &str, resource: &str, per_key: bool) -> Op {
     let url = format!("{base}/v1/acquire");
-    let body = Arc::new(json!({"tenant": TENANT, "resource": RESOURCE}).to_string().into_bytes());
-    Arc::new(move |_, _| {
-        let (client, url, body) = (client.clone(), url.clone(), body.clone());
+    let bodies: Arc<Vec<Vec<u8>>> = Arc::new(
+        (0..if per_key { 64 } else { 1 })
+            .map(|i| {
+                let mut b = json!({"tenant": TENANT, "resource": resource});
+                if per_key {
+                    b["key"] = json!(format!("user-{i}"));
+                }
+                b.to_string().into_bytes()
+            })
+            .collect(),
+    );
+    Arc::new(move |i, _| {
+        let body = bodies[i % bodies.len()].clone();
+        let (client, url) = (client.clone(), url.clone());
         async move {
             let r = client
                 .post(&url)
                 .header("content-type", "application/json")
-                .body(body.as_ref().clone())
+                .body(body)
                 .send()
                 .await
                 .map_err(|e| format!("acquire: {e}"))?;
@@ -110,9 +132,10 @@ fn spend_op(store: Store, a: SpendArgs) -> Op {
                 window_secs: WINDOW_SECS,
                 allowance: a.fallback,
                 rid_ttl_ms: WINDOW_SECS * 1000,
+                per_key: None,
             };
             // One request per run: the script as one client's decision costs.
-            let ask = Ask { cost: 1, rid: String::new(), count_demand: true };
+            let ask = Ask { cost: 1, rid: String::new(), count_demand: true, key: String::new() };
             let on = On { prefix: &a.prefix, token: &a.token };
             let by = Caller { agent: &a.agent, epoch: a.epoch };
             // The store bounds the call by its timeout (CALL_TIMEOUT).
@@ -140,12 +163,24 @@ pub async fn run(rig: &Rig, plan: &Plan, out: &mut Results, progress: &dyn Fn(&s
         &json!({"limit": LIMIT, "window_secs": WINDOW_SECS}),
     )
     .await?;
+    // The largest rate and burst a policy takes: a bucket that never refuses.
+    let max = quota_shared::wire::PerKey::MAX;
+    crate::pools::put_policy(
+        &rig.admin,
+        TENANT,
+        RESOURCE_PER_KEY,
+        &json!({"limit": LIMIT, "window_secs": WINDOW_SECS, "per_key": {"rate_per_sec": max, "burst": max}}),
+    )
+    .await?;
     let agent = rig.agent(&redis).await;
     let http = client()?;
-    // Warm: the agent learns the policy and credits a first lease.
-    let warm = closed_loop(4, Duration::from_millis(500), acquire_op(http.clone(), &agent.base)).await?;
-    if warm.ok == 0 {
-        return Err(format!("agent never admitted during warm-up: {:?}", warm.first_error));
+    // Warm: the agent learns the policies and credits a first lease.
+    let per_key_op = acquire_op_for(http.clone(), &agent.base, RESOURCE_PER_KEY, true);
+    for op in [acquire_op(http.clone(), &agent.base), per_key_op.clone()] {
+        let warm = closed_loop(4, Duration::from_millis(500), op).await?;
+        if warm.ok == 0 {
+            return Err(format!("agent never admitted during warm-up: {:?}", warm.first_error));
+        }
     }
 
     let prefix = Keys::new("").quota(TENANT, RESOURCE);
@@ -184,6 +219,7 @@ pub async fn run(rig: &Rig, plan: &Plan, out: &mut Results, progress: &dyn Fn(&s
         let (mut lua_s, mut floor_s, mut r_ceiling) = (Vec::new(), Vec::new(), Vec::new());
         let (mut lim_s, mut r_peer): (Vec<Sample>, Vec<f64>) = (Vec::new(), Vec::new());
         let mut stages: Vec<Stages> = Vec::new();
+        let mut per_key_s: Vec<Sample> = Vec::new();
         for rep in 0..plan.reps {
             progress(&format!("acquire: {c} client(s), repetition {}/{}", rep + 1, plan.reps));
             let before = StageSums::read(&http, &agent.base).await?;
@@ -192,6 +228,9 @@ pub async fn run(rig: &Rig, plan: &Plan, out: &mut Results, progress: &dyn Fn(&s
             stages.push(stage);
             let l = closed_loop(c, plan.acquire, spend_op(store.clone(), args.clone())).await?;
             let f = closed_loop(c, plan.acquire, healthz_op(http.clone(), &agent.base)).await?;
+            if c == PER_KEY_CLIENTS {
+                per_key_s.push(closed_loop(c, plan.acquire, per_key_op.clone()).await?);
+            }
             r_ceiling.push(a.per_s / l.per_s.max(f64::MIN_POSITIVE));
             if let Ok(p) = &peer {
                 let m = p.measure(&redis.url, c, plan.acquire).await?;
@@ -223,6 +262,15 @@ pub async fn run(rig: &Rig, plan: &Plan, out: &mut Results, progress: &dyn Fn(&s
         for (what, m) in [("agent", &a), ("spend script", &l), ("healthz", &f)] {
             if m.errors > 0 {
                 out.note(format!("acquire c{c}: {} {what} errors, first: {:?}", m.errors, m.first_error));
+            }
+        }
+        if !per_key_s.is_empty() {
+            let m = Medians::of(&per_key_s);
+            out.set(&k("per_key.decisions_per_s"), m.per_s);
+            out.set(&k("per_key.p50_ms"), m.p50_ms);
+            out.set(&k("per_key.p99_ms"), m.p99_ms);
+            if m.errors > 0 {
+                out.note(format!("acquire c{c} per key: {} errors, first: {:?}", m.errors, m.first_error));
             }
         }
         if !lim_s.is_empty() {

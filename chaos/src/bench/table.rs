@@ -102,6 +102,21 @@ pub fn markdown(plan: &Plan, m: &Machine, r: &Results, targets: &[TargetRow]) ->
         );
     }
 
+    let c = super::acquire::PER_KEY_CLIENTS;
+    let k = |x: &str| format!("acquire.c{c}.{x}");
+    let _ = writeln!(
+        s,
+        "\nWith a per-key bucket (issue 17: the same quota and one bucket per client, checked first in the \
+         same script run), {c} clients: {} decisions/s, p50 {} ms, p99 {} ms (`acquire.c{c}.per_key.*`), \
+         beside one quota alone {} decisions/s, p99 {} ms and the spend-script ceiling {}/s of the same run.",
+        v(r, &k("per_key.decisions_per_s")),
+        v(r, &k("per_key.p50_ms")),
+        v(r, &k("per_key.p99_ms")),
+        v(r, &k("decisions_per_s")),
+        v(r, &k("p99_ms")),
+        v(r, &k("ceiling_per_s")),
+    );
+
     let _ = writeln!(s, "\n### Where a decision's time goes (means per decision, µs)\n");
     let _ = writeln!(
         s,

@@ -74,6 +74,67 @@ pub async fn partition(p: &Profile, bins: Bins, strict: bool) -> Result<Scenario
     run.finish().await
 }
 
+/// Issue 17 item 5: demand above G (eu 70 %, us 60 %), `us` cut off from
+/// the allocator from 5 % to 40 % of one window, so it heals while the
+/// window is open and its pool still has room. Its fallback admits,
+/// reported at heal, are repaid from the pool: grants after the report
+/// share only what is left, and the window admits at most G although
+/// demand stays above it (without the repayment it could admit G plus
+/// the fallback). Every window: admitted ≤ G + fallback − repaid.
+pub async fn partition_heal_repaid(p: &Profile, bins: Bins) -> Result<ScenarioReport, String> {
+    let mut run = Run::start("partition-heal-repaid", p, bins, None, false).await?;
+    run.traffic(&[("eu", 0.7), ("us", 0.6)]);
+    run.pass(1.0).await;
+    run.at_phase(0.05).await;
+    let cut_at = chrono::Utc::now().timestamp();
+    run.stack.region("us").alloc_link.set(Fault::Blackhole);
+    run.note("us cut off from the allocator (blackhole) from 5 % to 40 % of a window; demand 130 % of G");
+    run.pass(0.35).await;
+    run.stack.region("us").alloc_link.set(Fault::Pass);
+    let heal_at = chrono::Utc::now().timestamp();
+    run.pass(1.6).await;
+    let heal_window = run.window_key(heal_at);
+    let same_window = run.window_key(cut_at) == heal_window;
+    run.finish_with(move |rows, _| {
+        let mut checks =
+            vec![(same_window, format!("the partition began and healed in window {heal_window}"))];
+        for r in rows {
+            let ceiling = r.limit + r.fallback as i64 - r.fallback_repaid;
+            checks.push((
+                r.admitted as i64 <= ceiling,
+                format!(
+                    "window {}: admitted {} ≤ G {} + fallback {} − repaid {}",
+                    r.window_start, r.admitted, r.limit, r.fallback, r.fallback_repaid
+                ),
+            ));
+        }
+        match rows.iter().find(|r| r.window_start == heal_window) {
+            Some(r) => {
+                checks.push((
+                    r.fallback > 0 && r.fallback_repaid == r.fallback as i64,
+                    format!(
+                        "window {}: us's {} fallback admits were repaid from the pool ({} repaid)",
+                        r.window_start, r.fallback, r.fallback_repaid
+                    ),
+                ));
+                checks.push((
+                    r.admitted as i64 <= r.limit,
+                    format!(
+                        "window {}: admitted {} ≤ G {} with demand above G (without the repayment up to {})",
+                        r.window_start,
+                        r.admitted,
+                        r.limit,
+                        r.limit + r.fallback as i64
+                    ),
+                ));
+            }
+            None => checks.push((false, format!("no row for the heal window {heal_window}"))),
+        }
+        checks
+    })
+    .await
+}
+
 /// 3: grant replies swallowed for 6 s; the agents resend the same
 /// requests, so the allocator replays instead of debiting again.
 pub async fn lost_replies(p: &Profile, bins: Bins) -> Result<ScenarioReport, String> {

@@ -48,6 +48,10 @@ pub struct ChaosArgs {
 pub const SCENARIOS: &[(&str, &str)] = &[
     ("partition-bounded", "a region cut off from the allocator for 2+ windows, bounded fallback"),
     ("partition-strict", "the same in strict mode: admitted <= G, 503 and never 429"),
+    (
+        "partition-heal-repaid",
+        "demand above G, a region cut off within one window and healed mid-window: its fallback repaid, admitted <= G",
+    ),
     ("lost-grant-replies", "grant replies swallowed, agents retry: replays, no double debit"),
     ("allocator-kill", "one of two allocator replicas SIGKILLed mid-traffic and restarted"),
     ("agent-restart", "an agent SIGKILLed and restarted: new epoch, old epoch refused"),
@@ -73,6 +77,7 @@ async fn run_one(name: &str, p: &Profile, bins: &bins::Bins) -> Result<ScenarioR
     match name {
         "partition-bounded" => faults::partition(p, b, false).await,
         "partition-strict" => faults::partition(p, b, true).await,
+        "partition-heal-repaid" => faults::partition_heal_repaid(p, b).await,
         "lost-grant-replies" => faults::lost_replies(p, b).await,
         "allocator-kill" => faults::allocator_kill(p, b).await,
         "agent-restart" => faults::agent_restart(p, b).await,
