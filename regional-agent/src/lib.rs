@@ -42,7 +42,9 @@
 //!   Redis, demand, incarnation; `Quota::settle`, the one handling of a
 //!   changed incarnation).
 //! * [`spend`]: `POST /v1/acquire` (I5, I2, fallback, I6) and its rule
-//!   `step` (admit, wait for a renewal, fallback, 429 or 503).
+//!   `step` (admit, wait for a renewal, fallback, 429 or 503), per-key
+//!   limits and shadow mode.
+//! * [`headers`]: the `RateLimit` headers of the most restrictive limit.
 //! * [`batch`]: concurrent decisions on one quota share one script run.
 //! * [`renew`]: the background renewer (DESIGN §4), crediting (I5, I4).
 //! * [`plan`]: the renewer's rule as pure arithmetic: whether to renew the
@@ -194,6 +196,7 @@ pub mod fallback;
 pub mod fleet_counts;
 pub mod gauges;
 pub mod guard;
+pub mod headers;
 pub mod health;
 pub mod identity;
 pub mod keys;
