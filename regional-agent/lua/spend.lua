@@ -86,6 +86,9 @@ local function bucket(k)
     at = now_ms
   end
   -- A server clock that went back refills nothing until it passes `at`.
+  -- A bucket fuller than the policy's burst (the burst was lowered since)
+  -- holds the new burst.
+  if t > pk_cap then t = pk_cap end
   b = {t = t, at = at, dirty = false}
   buckets[k] = b
   return b
