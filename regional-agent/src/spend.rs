@@ -80,16 +80,33 @@ fn parse(body: std::result::Result<Bytes, BytesRejection>) -> Result<AcquireRequ
             Error::MalformedJson(r.body_text())
         }
     })?;
-    let req: AcquireRequest = serde_json::from_slice(&bytes).map_err(|e| match e.classify() {
-        serde_json::error::Category::Data => {
-            let msg = e.to_string();
-            let field = ["tenant", "resource", "cost", "request_id", "key"]
-                .into_iter()
-                .find(|f| msg.contains(&format!("`{f}`")))
-                .unwrap_or("body");
-            Error::invalid(field, msg)
+    // The path of the value that failed (`key` for `"key": 7`); `.` for
+    // the body itself (a missing or unknown field, named in the message).
+    let de = &mut serde_json::Deserializer::from_slice(&bytes);
+    let req: AcquireRequest = serde_path_to_error::deserialize(de).map_err(|e| {
+        let path = e.path().to_string();
+        let e = e.into_inner();
+        match e.classify() {
+            serde_json::error::Category::Data => {
+                let msg = e.to_string();
+                // "unknown field `colour`, expected one of `tenant`, ...":
+                // the unknown one; "missing field `resource`": the missing one.
+                let quoted = msg
+                    .split('`')
+                    .nth(1)
+                    .filter(|_| msg.starts_with("unknown field") || msg.starts_with("missing field"));
+                let field = match quoted {
+                    Some(f) => f.to_string(),
+                    None => ["tenant", "resource", "cost", "request_id", "key"]
+                        .into_iter()
+                        .find(|f| *f == path)
+                        .unwrap_or("body")
+                        .to_string(),
+                };
+                Error::invalid(field, msg)
+            }
+            _ => Error::MalformedJson(e.to_string()),
         }
-        _ => Error::MalformedJson(e.to_string()),
     })?;
     for (field, v) in [("tenant", &req.tenant), ("resource", &req.resource)] {
         quota_shared::ids::validate_id(v).map_err(|e| Error::invalid(field, format!("{v:?} {e}")))?;
@@ -727,5 +744,35 @@ mod step_tests {
             tries += 1;
         }
         assert!(waited >= B && tries <= 2, "{waited:?} {tries}");
+    }
+}
+
+#[cfg(test)]
+mod parse_tests {
+    use super::*;
+
+    fn field_of(body: &str) -> String {
+        match parse(Ok(Bytes::from(body.to_string()))) {
+            Err(Error::InvalidField { field, .. }) => field,
+            other => panic!("{body}: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_bad_value_names_its_field() {
+        let cases = [
+            (r#"{"tenant": "a", "resource": "r", "key": 7}"#, "key"),
+            (r#"{"tenant": "a", "resource": "r", "cost": "x"}"#, "cost"),
+            (r#"{"tenant": 1, "resource": "r"}"#, "tenant"),
+            (r#"{"tenant": "a", "resource": "r", "request_id": []}"#, "request_id"),
+            (r#"{"tenant": "a"}"#, "resource"),
+            (r#"{"tenant": "a", "resource": "r", "colour": 1}"#, "colour"),
+            (r#"{"tenant": "a", "resource": "r", "key": "a b"}"#, "key"),
+            (r#"[]"#, "body"),
+        ];
+        for (body, field) in cases {
+            assert_eq!(field_of(body), field, "{body}");
+        }
+        assert!(matches!(parse(Ok(Bytes::from_static(b"{not json"))), Err(Error::MalformedJson(_))));
     }
 }

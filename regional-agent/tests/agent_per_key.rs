@@ -76,6 +76,7 @@ async fn a_key_over_its_cap_gets_429_per_key_and_spends_nothing_of_the_quota() {
         (json!({"tenant": "atlas", "resource": "read", "key": ""}), "key"),
         (json!({"tenant": "atlas", "resource": "read", "key": "a b"}), "key"),
         (json!({"tenant": "atlas", "resource": "read", "key": "k".repeat(129)}), "key"),
+        (json!({"tenant": "atlas", "resource": "read", "key": 7}), "key"),
         (json!({"tenant": "atlas", "resource": "read", "key": "carol", "cost": 4}), "cost"),
     ] {
         let r = a.http.post("/v1/acquire", &body).await.expect(422);
