@@ -16,7 +16,7 @@ pub fn rate_limit_headers(
     h: &mut HeaderMap,
     name: &str,
     policy: Option<PolicyInfo>,
-    remaining: i64,
+    remaining: Option<i64>,
     key_remaining: Option<i64>,
     now: chrono::DateTime<Utc>,
 ) {
@@ -46,20 +46,22 @@ pub struct HeaderLimit {
 /// to the window end>`), or, when the request's per-key bucket has fewer
 /// tokens left, the bucket (`"<tenant>/<resource>/per_key";q=<burst>;w=<seconds
 /// to refill from empty>`, `r=<tokens left>;t=<seconds until full>`).
+/// `remaining` is `None` when the quota's balance is unknown (the key's
+/// bucket refused before the quota was looked at): then the bucket.
 pub fn header_limit(
     name: &str,
     policy: Option<PolicyInfo>,
-    remaining: i64,
+    remaining: Option<i64>,
     key_remaining: Option<i64>,
     now: chrono::DateTime<Utc>,
 ) -> HeaderLimit {
     let Some(p) = policy else {
         return HeaderLimit { name: name.to_string(), q: 0, w: 0, r: 0, t: 0 };
     };
-    let remaining = remaining.max(0);
+    let remaining = remaining.map(|r| r.max(0));
     if let (Some(b), Some(k)) = (p.per_key, key_remaining) {
         let k = k.clamp(0, b.burst);
-        if k < remaining {
+        if remaining.is_none_or(|r| k < r) {
             // Seconds for `tokens` to refill at `rate_milli` milli-tokens/s.
             let refill = |tokens: i64| (tokens.saturating_mul(1000) + b.rate_milli - 1) / b.rate_milli;
             return HeaderLimit {
@@ -76,7 +78,7 @@ pub fn header_limit(
         name: name.to_string(),
         q: p.limit,
         w: p.window_secs,
-        r: remaining,
+        r: remaining.unwrap_or(0),
         t: (win.ms_until_end(now) + 999) / 1000,
     }
 }
@@ -110,26 +112,26 @@ mod tests {
         let key = Some(Bucket { rate_milli: 2000, burst: 8 });
         let cases = [
             // Policy unknown: zeros.
-            (None, 5, None, lim("a/r", 0, 0, 0, 0)),
+            (None, Some(5), None, lim("a/r", 0, 0, 0, 0)),
             // No per-key limit: the quota.
-            (Some(policy(None)), 42, None, lim("a/r", 100, 60, 42, 20)),
+            (Some(policy(None)), Some(42), None, lim("a/r", 100, 60, 42, 20)),
             // A key with more left than the quota: the quota.
-            (Some(policy(key)), 3, Some(7), lim("a/r", 100, 60, 3, 20)),
+            (Some(policy(key)), Some(3), Some(7), lim("a/r", 100, 60, 3, 20)),
             // Equal: the quota (the key is not stricter).
-            (Some(policy(key)), 7, Some(7), lim("a/r", 100, 60, 7, 20)),
+            (Some(policy(key)), Some(7), Some(7), lim("a/r", 100, 60, 7, 20)),
             // The key is stricter: its bucket, refilled at 2/s: 8 tokens
             // take 4 s from empty, 3 missing take 1.5 s, shown as 2.
-            (Some(policy(key)), 40, Some(5), lim("a/r/per_key", 8, 4, 5, 2)),
-            // A key refusal (the quota counts as unlimited).
-            (Some(policy(key)), i64::MAX, Some(0), lim("a/r/per_key", 8, 4, 0, 4)),
+            (Some(policy(key)), Some(40), Some(5), lim("a/r/per_key", 8, 4, 5, 2)),
+            // A key refusal: the quota's balance is unknown.
+            (Some(policy(key)), None, Some(0), lim("a/r/per_key", 8, 4, 0, 4)),
             // A negative quota remaining shows as 0.
-            (Some(policy(None)), -3, None, lim("a/r", 100, 60, 0, 20)),
+            (Some(policy(None)), Some(-3), None, lim("a/r", 100, 60, 0, 20)),
         ];
         for (p, remaining, key_remaining, want) in cases {
             assert_eq!(
                 header_limit("a/r", p, remaining, key_remaining, now),
                 want,
-                "{p:?} {remaining} {key_remaining:?}"
+                "{p:?} {remaining:?} {key_remaining:?}"
             );
         }
     }

@@ -201,8 +201,8 @@ pub(crate) async fn acquire(
             }
             // As for a refusal: a key's says nothing of the quota's balance.
             let remaining = match &shadow {
-                Some(Shadow::PerKey) => i64::MAX,
-                _ => a.remaining,
+                Some(Shadow::PerKey) => None,
+                _ => Some(a.remaining),
             };
             if let Some(s) = &shadow {
                 body["limit"] = json!(s.limit(&req_resource));
@@ -210,10 +210,9 @@ pub(crate) async fn acquire(
             (outcome, remaining, (StatusCode::OK, Json(body)).into_response())
         }
         // A key's refusal says nothing of the quota's balance: the
-        // headers then describe the key's bucket (the quota counts as
-        // unlimited for the comparison).
-        Err(e @ Error::KeyLimited { .. }) => (e.code(), i64::MAX, e.into_response()),
-        Err(e) => (e.code(), 0, e.into_response()),
+        // headers then describe the key's bucket.
+        Err(e @ Error::KeyLimited { .. }) => (e.code(), None, e.into_response()),
+        Err(e) => (e.code(), Some(0), e.into_response()),
     };
     span.record("outcome", outcome);
     tracing::debug!(remaining, "acquire answered");
