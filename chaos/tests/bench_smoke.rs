@@ -5,11 +5,14 @@
 use std::process::Command;
 
 /// Keys that must be measured and positive.
-const POSITIVE: [&str; 16] = [
+const POSITIVE: [&str; 18] = [
     "acquire.c1.decisions_per_s",
     // A per-key bucket beside the quota alone, same run (issue 17).
     "acquire.c16.per_key.decisions_per_s",
     "acquire.c16.per_key.p99_ms",
+    // Two quotas with per-key buckets in one decision (issue 17).
+    "acquire.c16.two_quotas_per_key.decisions_per_s",
+    "acquire.c16.two_quotas_per_key.p99_ms",
     // TLS beside plain, same run (issue 16).
     "acquire.c16.redis_plain.decisions_per_s",
     "acquire.c16.redis_tls.decisions_per_s",

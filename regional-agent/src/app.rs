@@ -45,6 +45,8 @@ pub struct App {
     pub guard: Arc<guard::Guard>,
     /// Per-window refusal counts and the outbox depth for the allocator's fleet pages.
     pub fleet_status: Arc<FleetStatus>,
+    /// The region's legacy gate (key layout upgrade, see [`crate::legacy`]).
+    pub legacy: Arc<crate::legacy::Gate>,
     /// Stops the background tasks.
     pub cancel: CancellationToken,
     tasks: Mutex<Vec<JoinHandle<()>>>,
@@ -80,7 +82,8 @@ impl App {
             }
         };
         Ok(Arc::new(App {
-            keys: Keys::new(&settings.redis_prefix),
+            keys: Keys::with_layout(&settings.redis_prefix, settings.key_layout),
+            legacy: Arc::new(crate::legacy::Gate::new(settings.key_layout)),
             settings: Arc::new(settings),
             store,
             alloc: Arc::new(alloc),

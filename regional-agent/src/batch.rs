@@ -81,7 +81,7 @@ where
         }
     };
     if let Some((ask, run)) = alone {
-        return split(run(common, vec![ask]).await, 1).pop().unwrap_or_else(|| Err(short()));
+        return first(run(common, vec![ask]).await);
     }
     // The run ahead of this request's and its own, each bounded by the
     // Redis timeout.
@@ -95,6 +95,11 @@ where
 
 fn short() -> StoreError {
     StoreError::Protocol("the spend script answered fewer decisions than requests".into())
+}
+
+/// A run's answer for one request.
+pub fn first(r: RunAnswer) -> Answer {
+    split(r, 1).pop().unwrap_or_else(|| Err(short()))
 }
 
 /// A run's answer as `n` requests' answers.
@@ -172,7 +177,12 @@ mod tests {
     #[test]
     fn a_runs_answer_reaches_each_request_of_the_batch() {
         let admit = |r| {
-            Spend::Admit(Admit { source: "lease".into(), window_start: 0, remaining: r, key_remaining: None })
+            Spend::Admit(vec![Admit {
+                source: "lease".into(),
+                window_start: 0,
+                remaining: r,
+                key_remaining: None,
+            }])
         };
         let ran = Ok(Outcome::Ran { token: "t".into(), value: vec![admit(2), admit(1)] });
         let got: Vec<_> = split(ran, 2).into_iter().map(|a| a.unwrap()).collect();
@@ -184,7 +194,7 @@ mod tests {
             ]
         );
         // A loss is every request's; a short answer an error for each.
-        let lost = Lost { token: "n".into(), cause: LossCause::Lost };
+        let lost = Lost { quota: 0, token: "n".into(), cause: LossCause::Lost };
         let got: Vec<_> = split(Ok(Outcome::Lost(lost.clone())), 3).into_iter().map(|a| a.unwrap()).collect();
         assert_eq!(got, vec![Outcome::Lost(lost); 3]);
         let short_run = Ok(Outcome::Ran { token: "t".into(), value: vec![admit(1)] });

@@ -58,6 +58,13 @@ pub struct Config {
     #[arg(long, env = "AGENT_REDIS_PREFIX", default_value = "")]
     pub redis_prefix: String,
 
+    /// Redis key layout: `tenant` (a tenant's quotas share one Cluster
+    /// slot, so one decision may span several of them) or `legacy` (one
+    /// slot per quota, as agents before multi-quota decisions wrote; for
+    /// rehearsing or rolling back an upgrade). See README "Upgrading".
+    #[arg(long, env = "AGENT_KEY_LAYOUT", value_enum, default_value_t = KeyLayout::Tenant)]
+    pub key_layout: KeyLayout,
+
     /// Address to serve the agent API on.
     #[arg(long, env = "AGENT_LISTEN", default_value = "127.0.0.1:7171")]
     pub listen: SocketAddr,
@@ -160,6 +167,7 @@ pub struct Settings {
     /// Period of the eviction policy check.
     pub redis_policy_check: Duration,
     pub redis_prefix: String,
+    pub key_layout: crate::keys::Layout,
     pub agent_token: Option<String>,
     pub local_fallback_per_agent: i64,
     pub renew_ahead: Duration,
@@ -344,6 +352,10 @@ impl Config {
             sentinel,
             redis_policy_check: Duration::from_millis(self.redis_policy_check_ms.max(50)),
             redis_prefix: self.redis_prefix.clone(),
+            key_layout: match self.key_layout {
+                KeyLayout::Tenant => crate::keys::Layout::Tenant,
+                KeyLayout::Legacy => crate::keys::Layout::Legacy,
+            },
             agent_token: self.agent_token.clone().filter(|t| !t.is_empty()),
             local_fallback_per_agent: self.local_fallback_per_agent,
             renew_ahead: Duration::from_millis(self.renew_ahead_ms.max(1)),
@@ -358,6 +370,13 @@ impl Config {
             redis_tls,
         })
     }
+}
+
+/// `--key-layout`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum KeyLayout {
+    Tenant,
+    Legacy,
 }
 
 #[cfg(test)]

@@ -2,7 +2,7 @@
 //! headers (DESIGN §5): 400 malformed JSON, 413 body too large, 422 invalid
 //! value naming the field, 404 unknown quota, 409 request id mismatch, 429
 //! quota exhausted or per-key limited (the body's `limit` names which:
-//! `per_key` or the resource), 503
+//! `per_key` or the resource; `resource` the quota that refused), 503
 //! allocator unreachable or store unavailable. 429 and 503 carry a
 //! `Retry-After` in whole seconds, at least 1, jittered.
 
@@ -36,11 +36,11 @@ pub enum Error {
     /// The quota's pool is exhausted for the window.
     #[error("quota exhausted for this window")]
     Exhausted { resource: String, retry_after_ms: i64 },
-    /// The request's key has spent its per-key bucket; `retry_after_ms`
-    /// until the bucket holds the request's cost again.
+    /// The request's key has spent its per-key bucket of `resource`;
+    /// `retry_after_ms` until the bucket holds the request's cost again.
     /// (The key is not repeated: it may be an API key.)
-    #[error("the request's key is over the quota's per-key limit")]
-    KeyLimited { retry_after_ms: i64, remaining: i64 },
+    #[error("the request's key is over the per-key limit of quota {resource}")]
+    KeyLimited { resource: String, retry_after_ms: i64, remaining: i64 },
     /// The agent cannot reach the allocator and may not admit on its own.
     #[error("the allocator is unreachable and the quota's fallback allowance does not admit this request")]
     AllocatorUnreachable,
@@ -127,10 +127,10 @@ impl IntoResponse for Error {
         let status = self.status_code();
         let retry = self.retry_after_s();
         let mut body = json!({"error": self.code(), "message": self.to_string()});
-        let limit = match &self {
-            Error::Exhausted { resource, .. } => Some(resource.as_str()),
-            Error::KeyLimited { .. } => Some("per_key"),
-            _ => None,
+        let (limit, resource) = match &self {
+            Error::Exhausted { resource, .. } => (Some(resource.as_str()), Some(resource)),
+            Error::KeyLimited { resource, .. } => (Some("per_key"), Some(resource)),
+            _ => (None, None),
         };
         if let Error::InvalidField { field, .. } = &self {
             body["field"] = json!(field);
@@ -139,6 +139,7 @@ impl IntoResponse for Error {
             body["allowed"] = json!(false);
             body["retry_after_s"] = json!(retry);
             body["limit"] = json!(limit);
+            body["resource"] = json!(resource);
         }
         let mut resp = (status, Json(body)).into_response();
         if let Some(s) = retry {

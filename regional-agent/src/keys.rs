@@ -1,20 +1,40 @@
 //! The one audited function family that names Redis keys (DESIGN §5
-//! Security). Every key of a quota starts with `q:{<tenant>/<resource>}:`
-//! where both parts are length-prefixed (`q:{5:atlas/4:read}:`), so the
-//! hash tag puts all of a quota's keys in one Redis Cluster slot (each
-//! script touches one slot) and two quotas can never share a key, whatever
-//! their names. Lua scripts receive the quota prefix from here and only
-//! append fixed suffixes and ids to it.
+//! Security). Every key of a quota starts with `q:{<tenant>}:<resource>:`
+//! where both parts are length-prefixed (`q:{5:atlas}:4:read:`), so the
+//! hash tag puts all of a tenant's keys in one Redis Cluster slot (a script
+//! deciding several quotas of one tenant touches one slot) and two quotas
+//! can never share a key, whatever their names. Lua scripts receive the
+//! quota prefixes from here and only append fixed suffixes and ids to them.
+//!
+//! Key layouts: agents before multi-quota decisions used one slot per
+//! quota (`q:{5:atlas/4:read}:`, [`Layout::Legacy`]). A new agent writes
+//! the tenant layout and, during a rolling upgrade, honours what the old
+//! one leaves (see `crate::legacy`): it reports and releases what sits
+//! under the old prefixes and takes no fallback allowance in a window an
+//! old agent may have spent it in (F34).
 
 /// TTL of the region's counters and lease books (and of the sets that
 /// lead to them): long enough to outlive a long partition before the
 /// counts are reported (F04, see the crate doc's key lifecycle).
 pub const COUNTER_TTL_MS: i64 = 7 * 24 * 3600 * 1000;
 
+/// Which hash tag a quota's keys share.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Layout {
+    /// `q:{<tenant>}:<resource>:`: a tenant's quotas share one slot (the
+    /// default, needed for a decision over several quotas on a Cluster).
+    Tenant,
+    /// `q:{<tenant>/<resource>}:`: the layout of agents before multi-quota
+    /// decisions, kept so that an upgrade can be rehearsed and rolled back
+    /// (`--key-layout legacy` behaves as those agents did).
+    Legacy,
+}
+
 /// Key names of one agent's Redis namespace.
 #[derive(Debug, Clone)]
 pub struct Keys {
     ns: String,
+    layout: Layout,
 }
 
 fn lp(s: &str) -> String {
@@ -24,13 +44,40 @@ fn lp(s: &str) -> String {
 impl Keys {
     /// Keys under the namespace prefix `ns` (checked brace-free by the config).
     pub fn new(ns: &str) -> Keys {
+        Keys::with_layout(ns, Layout::Tenant)
+    }
+
+    /// Keys under `ns` in `layout`.
+    pub fn with_layout(ns: &str, layout: Layout) -> Keys {
         debug_assert!(!ns.contains(['{', '}']));
-        Keys { ns: ns.to_string() }
+        Keys { ns: ns.to_string(), layout }
+    }
+
+    /// The layout this agent writes.
+    pub fn layout(&self) -> Layout {
+        self.layout
     }
 
     /// The prefix of every key of one quota; ends with `:`.
     pub fn quota(&self, tenant: &str, resource: &str) -> String {
+        match self.layout {
+            Layout::Tenant => format!("{}q:{{{}}}:{}:", self.ns, lp(tenant), lp(resource)),
+            Layout::Legacy => self.legacy_quota(tenant, resource),
+        }
+    }
+
+    /// The prefix the same quota had in the legacy layout.
+    pub fn legacy_quota(&self, tenant: &str, resource: &str) -> String {
         format!("{}q:{{{}/{}}}:", self.ns, lp(tenant), lp(resource))
+    }
+
+    /// Every prefix the quota's keys may sit under in this region: this
+    /// agent's, then (tenant layout) the legacy one an older agent wrote.
+    pub fn quota_prefixes(&self, tenant: &str, resource: &str) -> Vec<String> {
+        match self.layout {
+            Layout::Tenant => vec![self.quota(tenant, resource), self.legacy_quota(tenant, resource)],
+            Layout::Legacy => vec![self.legacy_quota(tenant, resource)],
+        }
     }
 
     /// The set of quotas an agent has touched (so a restarted agent finds
@@ -60,10 +107,42 @@ impl Keys {
         format!("{}a:{{{}/{}}}:live", self.ns, lp(region), lp(agent))
     }
 
-    /// The set of agent ids that ever ran in the region (and may still have
-    /// outbox entries); an id leaves it once its quota set expired.
+    /// The set of agent ids of this agent's layout that ever ran in the
+    /// region (and may still have outbox entries); an id leaves it once its
+    /// quota set expired. Agents of the tenant layout keep a set of their
+    /// own: an older agent, which knows only legacy prefixes, would find a
+    /// gone new agent's outboxes empty and drop it from the set before a
+    /// new agent sent them.
     pub fn region_agents(&self, region: &str) -> String {
+        match self.layout {
+            Layout::Tenant => format!("{}r:{{{}}}:agents:2", self.ns, lp(region)),
+            Layout::Legacy => self.legacy_region_agents(region),
+        }
+    }
+
+    /// The legacy layout's agent set (its agents' ids).
+    pub fn legacy_region_agents(&self, region: &str) -> String {
         format!("{}r:{{{}}}:agents", self.ns, lp(region))
+    }
+
+    /// Every agent set whose gone agents this agent adopts.
+    pub fn agent_sets(&self, region: &str) -> Vec<String> {
+        match self.layout {
+            Layout::Tenant => vec![self.region_agents(region), self.legacy_region_agents(region)],
+            Layout::Legacy => vec![self.legacy_region_agents(region)],
+        }
+    }
+
+    /// Exists while an agent of the tenant layout heartbeats in the region
+    /// (a lapse means the region's history since is unknown).
+    pub fn region_presence(&self, region: &str) -> String {
+        format!("{}r:{{{}}}:present:2", self.ns, lp(region))
+    }
+
+    /// Until when (Redis clock, ms) a legacy agent may have admitted from
+    /// the fallback allowance in the region (see `crate::legacy`).
+    pub fn region_legacy_until(&self, region: &str) -> String {
+        format!("{}r:{{{}}}:legacy", self.ns, lp(region))
     }
 
     /// The region's dead letters: outbox entries the allocator refused for
@@ -128,11 +207,12 @@ mod tests {
     #[test]
     fn quota_keys_are_hash_tagged_and_unambiguous() {
         let k = Keys::new("");
-        assert_eq!(k.quota("atlas", "read"), "q:{5:atlas/4:read}:");
+        assert_eq!(k.quota("atlas", "read"), "q:{5:atlas}:4:read:");
         assert_ne!(k.quota("ab", "c"), k.quota("a", "bc"));
         assert_ne!(k.quota("a.b", "c"), k.quota("a", "b.c"));
+        assert_ne!(k.quota("a}", "c"), k.quota("a", "}c"));
         let ns = Keys::new("t1:");
-        assert_eq!(ns.quota("a", "b"), "t1:q:{1:a/1:b}:");
+        assert_eq!(ns.quota("a", "b"), "t1:q:{1:a}:1:b:");
         assert_eq!(ns.agent_quotas("eu", "eu-1"), "t1:a:{2:eu/4:eu-1}:quotas");
         assert_eq!(Keys::request_id_suffix("r-1"), "3:r-1");
         assert_eq!(Keys::per_key_suffix("alice@x"), "7:alice@x");
@@ -141,10 +221,10 @@ mod tests {
         assert_eq!(ns.request_id_claim("a", "r-1"), "t1:t:{1:a}:rid:3:r-1");
         assert_ne!(k.request_id_claim("a:1", "r"), k.request_id_claim("a", "1:r"));
         assert_eq!(ns.agent_live("eu", "eu-1"), "t1:a:{2:eu/4:eu-1}:live");
-        assert_eq!(ns.region_agents("eu"), "t1:r:{2:eu}:agents");
+        assert_eq!(ns.region_agents("eu"), "t1:r:{2:eu}:agents:2");
         assert_eq!(ns.region_dead_letters("eu"), "t1:r:{2:eu}:dead");
         assert_eq!(Keys::outbox("q:{1:a/1:b}:", "eu-1"), "q:{1:a/1:b}:ob:eu-1");
-        let p = k.quota("a", "b");
+        let p = Keys::new("").legacy_quota("a", "b");
         let suffixes = [
             Keys::incarnation(&p),
             Keys::policy(&p),
@@ -162,5 +242,23 @@ mod tests {
                 "q:{1:a/1:b}:dirty"
             ]
         );
+    }
+
+    #[test]
+    fn the_legacy_layout_names_keys_as_agents_before_it_did() {
+        // These strings are what the previous release wrote: an upgrade
+        // finds its state only if they never change.
+        let old = Keys::with_layout("t1:", Layout::Legacy);
+        assert_eq!(old.quota("atlas", "read"), "t1:q:{5:atlas/4:read}:");
+        assert_eq!(old.region_agents("eu"), "t1:r:{2:eu}:agents");
+        assert_eq!(old.agent_sets("eu"), ["t1:r:{2:eu}:agents"]);
+        assert_eq!(old.quota_prefixes("a", "b"), ["t1:q:{1:a/1:b}:"]);
+        let new = Keys::new("t1:");
+        assert_eq!(new.quota_prefixes("a", "b"), ["t1:q:{1:a}:1:b:", "t1:q:{1:a/1:b}:"]);
+        assert_eq!(new.agent_sets("eu"), ["t1:r:{2:eu}:agents:2", "t1:r:{2:eu}:agents"]);
+        // Two quotas of one tenant share the hash tag (one Cluster slot).
+        let tag = |p: &str| p[p.find('{').unwrap()..=p.find('}').unwrap()].to_string();
+        assert_eq!(tag(&new.quota("atlas", "read")), tag(&new.quota("atlas", "write")));
+        assert_eq!(tag(&new.quota("atlas", "read")), tag(&new.request_id_claim("atlas", "r")));
     }
 }

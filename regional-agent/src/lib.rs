@@ -200,6 +200,7 @@ pub mod headers;
 pub mod health;
 pub mod identity;
 pub mod keys;
+pub mod legacy;
 pub mod outbox;
 pub mod plan;
 pub mod quotas;

@@ -38,8 +38,8 @@ use crate::config::Settings;
 use crate::fallback::LocalFallback;
 use crate::fleet_counts::FleetStatus;
 use crate::identity::Identity;
-use crate::keys::{Keys, COUNTER_TTL_MS};
-use crate::quotas::Quotas;
+use crate::keys::{Keys, Layout, COUNTER_TTL_MS};
+use crate::quotas::{Quota, Quotas};
 use crate::scripts;
 use crate::store::{Store, StoreError};
 use chrono::{TimeZone, Utc};
@@ -47,6 +47,7 @@ use quota_shared::prom::Registry;
 use quota_shared::wire::{ReleaseRequest, ReportItem, ReportRequest};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
@@ -183,6 +184,7 @@ pub struct OutboxParts {
     pub metrics: Arc<Registry>,
     pub local: Arc<LocalFallback>,
     pub fleet_status: Arc<FleetStatus>,
+    pub legacy: Arc<crate::legacy::Gate>,
     pub cancel: CancellationToken,
 }
 
@@ -199,6 +201,7 @@ impl OutboxParts {
             metrics: app.metrics.clone(),
             local: app.local.clone(),
             fleet_status: app.fleet_status.clone(),
+            legacy: app.legacy.clone(),
             cancel: app.cancel.clone(),
         }
     }
@@ -247,18 +250,25 @@ pub async fn run(app: OutboxParts, ob: Arc<Outboxes>) {
     }
 }
 
-/// Refreshes this agent's liveness key and lists it in the region's set.
+/// Refreshes this agent's liveness key (its value says the agent's key
+/// layout), lists it in its layout's agent set, and looks at the region's
+/// legacy gate (see [`crate::legacy`]).
 pub async fn heartbeat(app: &OutboxParts) {
     let (region, agent) = (&app.settings.region, &app.settings.agent);
     let ttl = live_ttl(app.settings.outbox_interval).as_millis() as u64;
+    let value = match app.keys.layout() {
+        Layout::Tenant => crate::legacy::LIVE_TENANT,
+        Layout::Legacy => crate::legacy::LIVE_LEGACY,
+    };
     let _: Result<Option<String>, _> = app
         .store
-        .cmd(redis::cmd("SET").arg(app.keys.agent_live(region, agent)).arg(1).arg("PX").arg(ttl))
+        .cmd(redis::cmd("SET").arg(app.keys.agent_live(region, agent)).arg(value).arg("PX").arg(ttl))
         .await;
     let set = app.keys.region_agents(region);
     let _: Result<i64, _> = app.store.cmd(redis::cmd("SADD").arg(&set).arg(agent)).await;
     // A region nobody runs in any more leaves nothing behind (F04).
     let _: Result<i64, _> = app.store.cmd(redis::cmd("PEXPIRE").arg(&set).arg(COUNTER_TTL_MS)).await;
+    crate::legacy::look(&app.store, &app.keys, region, agent, ttl as i64, &app.legacy).await;
 }
 
 /// Repeats rounds until every outbox is empty or `deadline` passes (at
@@ -303,7 +313,14 @@ pub async fn drain_all(app: &OutboxParts, ob: &Outboxes, until: Option<Instant>)
             stopped = true;
             break;
         }
-        match drain_list(app, ob, &q.prefix, &q.tenant, &q.resource, &me, true).await {
+        let mut drained = drain_list(app, ob, &q.prefix, &q.tenant, &q.resource, &me, true).await;
+        if app.keys.layout() == Layout::Tenant && !q.legacy_done.load(Ordering::Relaxed) {
+            drained = match drained {
+                Ok(n) => sweep_legacy(app, ob, q, &me).await.map(|l| n + l),
+                e => e,
+            };
+        }
+        match drained {
             Ok(n) => {
                 left += n;
                 failed_in_row = 0;
@@ -331,6 +348,29 @@ pub async fn drain_all(app: &OutboxParts, ob: &Outboxes, until: Option<Instant>)
         let _: Result<i64, _> = app.store.cmd(redis::cmd("PEXPIRE").arg(set).arg(COUNTER_TTL_MS)).await;
     }
     left
+}
+
+/// What the legacy layout holds of quota `q` (see [`crate::legacy`]):
+/// expired legacy leases retired (their unspent tokens become releases),
+/// legacy counters cut into this agent's legacy outbox and sent. Once
+/// nothing is left and no legacy agent can write any more, the quota's
+/// legacy keys are not looked at again. Returns the entries left.
+async fn sweep_legacy(app: &OutboxParts, ob: &Outboxes, q: &Quota, me: &Sender) -> Result<i64, StoreError> {
+    let prefix = app.keys.legacy_quota(&q.tenant, &q.resource);
+    let live: i64 = app.store.cmd(redis::cmd("ZCARD").arg(format!("{prefix}idx"))).await?;
+    if let (true, Some(p)) = (live > 0, q.policy()) {
+        let on = scripts::On { prefix: &prefix, token: "" };
+        let by = scripts::Caller { agent: &app.settings.agent, epoch: me.report_epoch };
+        let args =
+            scripts::ViewArgs { window_secs: p.window_secs, allowance: p.fallback_allowance, lasting_ms: 0 };
+        scripts::view(&app.store, on, by, args).await?;
+    }
+    let left = drain_list(app, ob, &prefix, &q.tenant, &q.resource, me, true).await?;
+    if live == 0 && left == 0 && app.legacy.passed() {
+        q.legacy_done.store(true, Ordering::Relaxed);
+        tracing::debug!(tenant = %q.tenant, resource = %q.resource, "the quota's legacy keys are empty");
+    }
+    Ok(left)
 }
 
 /// Cuts (when `cut`) and sends one quota's list of `s.owner`; returns the
@@ -524,11 +564,16 @@ pub async fn dead_letters(
 }
 
 /// Sends what agents of the region that are gone left in their outboxes.
+/// Both layouts' agents are adopted (see [`crate::legacy`]).
 async fn adopt(app: &OutboxParts, ob: &Outboxes) {
+    for set in app.keys.agent_sets(&app.settings.region) {
+        adopt_set(app, ob, &set).await;
+    }
+}
+
+async fn adopt_set(app: &OutboxParts, ob: &Outboxes, set: &str) {
     let (region, me) = (&app.settings.region, &app.settings.agent);
-    let set = app.keys.region_agents(region);
-    let Ok(agents) =
-        app.store.cmd::<Vec<String>>(redis::cmd("SRANDMEMBER").arg(&set).arg(ADOPT_AGENTS)).await
+    let Ok(agents) = app.store.cmd::<Vec<String>>(redis::cmd("SRANDMEMBER").arg(set).arg(ADOPT_AGENTS)).await
     else {
         return;
     };
@@ -543,31 +588,32 @@ async fn adopt(app: &OutboxParts, ob: &Outboxes) {
                 continue;
             }
         }
-        if let Err(e) = adopt_one(app, ob, &dead).await {
+        if let Err(e) = adopt_one(app, ob, &dead, set).await {
             tracing::debug!(agent = %dead, error = %e, "adopting a gone agent's outbox failed; next round");
             return;
         }
     }
 }
 
-async fn adopt_one(app: &OutboxParts, ob: &Outboxes, dead: &str) -> Result<(), StoreError> {
+async fn adopt_one(app: &OutboxParts, ob: &Outboxes, dead: &str, set: &str) -> Result<(), StoreError> {
     let region = &app.settings.region;
     let quota_set = app.keys.agent_quotas(region, dead);
     let quotas: Vec<String> =
         app.store.cmd(redis::cmd("SRANDMEMBER").arg(&quota_set).arg(ADOPT_QUOTAS)).await?;
     if quotas.is_empty() {
         // Its quota set expired (or it never held a quota): nothing is left.
-        let _: i64 = app.store.cmd(redis::cmd("SREM").arg(app.keys.region_agents(region)).arg(dead)).await?;
+        let _: i64 = app.store.cmd(redis::cmd("SREM").arg(set).arg(dead)).await?;
         ob.adopted.lock().unwrap().remove(dead);
         return Ok(());
     }
     let mut lists = Vec::new();
     for m in &quotas {
         let Some((t, r)) = m.split_once('/') else { continue };
-        let prefix = app.keys.quota(t, r);
-        let n: i64 = app.store.cmd(redis::cmd("LLEN").arg(Keys::outbox(&prefix, dead))).await?;
-        if n > 0 {
-            lists.push((prefix, t.to_string(), r.to_string()));
+        for prefix in app.keys.quota_prefixes(t, r) {
+            let n: i64 = app.store.cmd(redis::cmd("LLEN").arg(Keys::outbox(&prefix, dead))).await?;
+            if n > 0 {
+                lists.push((prefix, t.to_string(), r.to_string()));
+            }
         }
     }
     if lists.is_empty() {
@@ -581,8 +627,7 @@ async fn adopt_one(app: &OutboxParts, ob: &Outboxes, dead: &str) -> Result<(), S
             *e.1.get_or_insert_with(Instant::now)
         };
         if all as usize <= ADOPT_QUOTAS && quiet_since.elapsed() >= ADOPT_QUIET {
-            let _: i64 =
-                app.store.cmd(redis::cmd("SREM").arg(app.keys.region_agents(region)).arg(dead)).await?;
+            let _: i64 = app.store.cmd(redis::cmd("SREM").arg(set).arg(dead)).await?;
             ob.adopted.lock().unwrap().remove(dead);
             tracing::info!(agent = %dead, "a gone agent's outboxes stayed empty; it left the region's agent set");
         }

@@ -193,6 +193,9 @@ pub struct Quota {
     pub renewed: Notify,
     /// Requests waiting for the quota's next spend run (see [`crate::batch`]).
     pub spends: Arc<SpendQueue>,
+    /// The quota's legacy-layout keys were found empty after the region's
+    /// legacy gate passed (see [`crate::legacy`]): not looked at again.
+    pub legacy_done: AtomicBool,
 }
 
 impl Quota {
@@ -326,6 +329,7 @@ impl Quotas {
             wake: Notify::new(),
             renewed: Notify::new(),
             spends: Arc::new(SpendQueue::default()),
+            legacy_done: AtomicBool::new(false),
         });
         m.insert((tenant.to_string(), resource.to_string()), q.clone());
         Some((q, true))

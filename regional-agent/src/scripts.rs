@@ -23,7 +23,8 @@ use std::time::Instant;
 /// incarnation and rollback check, fences, the region's fallback clock.
 const PRELUDE: &str = include_str!("../lua/prelude.lua");
 
-/// `lua/spend.lua`: the admission decisions of a batch of requests on one quota (I5).
+/// `lua/spend.lua`: the admission decisions of a batch of requests on one
+/// or more quotas of one tenant (I5).
 static SPEND: LazyLock<Script> =
     LazyLock::new(|| Script::new(&format!("{PRELUDE}\n{}", include_str!("../lua/spend.lua"))));
 /// `lua/view.lua`: the renewer's view and the expiry sweep.
@@ -40,6 +41,8 @@ static FENCE: LazyLock<Script> =
     LazyLock::new(|| Script::new(&format!("{PRELUDE}\n{}", include_str!("../lua/fence.lua"))));
 /// `lua/unlock.lua`: releases the renew lock if still ours.
 static UNLOCK: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("../lua/unlock.lua")));
+/// `lua/legacy.lua`: refreshes the region's legacy gate (key layout upgrade).
+static LEGACY: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("../lua/legacy.lua")));
 /// `lua/shadow.lua`: counts a request a shadow-mode policy would have refused.
 static SHADOW: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("../lua/shadow.lua")));
 
@@ -74,6 +77,9 @@ pub enum Outcome<T> {
 /// A changed incarnation: what the quota's state is now, and why.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Lost {
+    /// Which quota of the run (its index in the run's list; 0 for the
+    /// scripts that run on one quota).
+    pub quota: usize,
     /// The incarnation now in force (empty when the script does not say).
     pub token: String,
     pub cause: LossCause,
@@ -108,9 +114,12 @@ impl LossCause {
     }
 }
 
-/// What every decision of one spend run shares.
+/// What every decision of one spend run shares on one quota.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Common {
+    /// The legacy gate (Redis clock, ms; 0 for none): no fallback in a
+    /// window that started at or before it (see `crate::legacy`).
+    pub legacy_until_ms: i64,
     /// Whether the region's fallback allowance may be used.
     pub fallback: bool,
     /// The quota's window length (s): the script takes the fallback window
@@ -136,18 +145,28 @@ pub struct Bucket {
 /// One request's part of a spend run.
 #[derive(Debug, Clone)]
 pub struct Ask {
-    pub cost: i64,
+    /// Its cost on each quota of the run, in the run's order (0: it does
+    /// not spend that quota).
+    pub costs: Vec<i64>,
     /// Request id key suffix ([`Keys::request_id_suffix`]), empty when the
     /// request carries none.
     pub rid: String,
     /// Whether this try counts toward demand (the first try of a request).
     pub count_demand: bool,
     /// The per-key bucket's suffix ([`Keys::per_key_suffix`]), empty when
-    /// the request names no key (or the policy has no per-key limit).
+    /// the request names no key (the buckets of the quotas whose policy has
+    /// a per-key limit are checked).
     pub key: String,
 }
 
-/// An admit.
+/// One quota of a spend run.
+#[derive(Debug, Clone, Copy)]
+pub struct Part<'a> {
+    pub on: On<'a>,
+    pub common: Common,
+}
+
+/// An admit on one quota.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Admit {
     /// `lease` or `fallback`.
@@ -159,23 +178,33 @@ pub struct Admit {
     pub key_remaining: Option<i64>,
 }
 
-/// What the spend script decided for one request.
+/// What the spend script decided for one request. Quotas are named by
+/// their index in the run.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Spend {
-    Admit(Admit),
-    /// No token: `wait_ms` until a next-window lease opens (or -1),
-    /// `exhausted_ms` > 0 while the allocator's "pool empty" mark holds.
-    None {
-        wait_ms: i64,
-        exhausted_ms: i64,
-    },
-    /// The request's per-key bucket holds less than its cost: `retry_ms`
-    /// until it will hold enough; nothing was debited.
+    /// Every quota the request names was debited: one admit per quota, in
+    /// the run's order.
+    Admit(Vec<Admit>),
+    /// Quota `quota` had no token (nothing was debited anywhere):
+    /// `wait_ms` until a next-window lease opens (or -1), `exhausted_ms`
+    /// > 0 while the allocator's "pool empty" mark holds.
+    None { quota: usize, wait_ms: i64, exhausted_ms: i64 },
+    /// The request's per-key bucket of quota `quota` holds less than its
+    /// cost: `retry_ms` until it will hold enough; nothing was debited.
     KeyLimited {
+        quota: usize,
         retry_ms: i64,
         /// Whole tokens in the bucket.
         remaining: i64,
     },
+}
+
+/// A spend run that decided: the incarnation of each quota, and the
+/// decisions of the asks in order.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Decided {
+    pub tokens: Vec<String>,
+    pub decisions: Vec<Spend>,
 }
 
 /// A fresh incarnation token, for a script to install when the quota's
@@ -192,51 +221,66 @@ fn flag(b: bool) -> &'static str {
     }
 }
 
-/// `lua/spend.lua`'s invocation deciding `asks` in order.
-fn spend_invocation(on: On<'_>, by: Caller<'_>, common: Common, asks: &[Ask]) -> ScriptInvocation<'static> {
+/// `lua/spend.lua`'s invocation deciding `asks` in order over `quotas`.
+fn spend_invocation(by: Caller<'_>, quotas: &[Part<'_>], asks: &[Ask]) -> ScriptInvocation<'static> {
     let mut inv = SPEND.prepare_invoke();
-    inv.key(Keys::incarnation(on.prefix))
-        .arg(on.prefix)
-        .arg(on.token)
-        .arg(fresh())
-        .arg(common.rid_ttl_ms)
-        .arg(flag(common.fallback))
-        .arg(common.window_secs)
-        .arg(common.allowance)
+    let first = quotas.first().map(|p| p.common);
+    inv.arg(first.map_or(0, |c| c.rid_ttl_ms))
         .arg(COUNTER_TTL_MS)
         .arg(by.agent)
-        .arg(by.epoch);
-    match common.per_key {
-        Some(b) => inv.arg(b.rate_milli).arg(b.burst),
-        None => inv.arg(0).arg(0),
-    };
+        .arg(by.epoch)
+        .arg(first.map_or(0, |c| c.legacy_until_ms))
+        .arg(quotas.len());
+    for p in quotas {
+        let c = p.common;
+        inv.key(Keys::incarnation(p.on.prefix))
+            .arg(p.on.prefix)
+            .arg(p.on.token)
+            .arg(fresh())
+            .arg(flag(c.fallback))
+            .arg(c.window_secs)
+            .arg(c.allowance);
+        match c.per_key {
+            Some(b) => inv.arg(b.rate_milli).arg(b.burst),
+            None => inv.arg(0).arg(0),
+        };
+    }
     for a in asks {
-        inv.arg(a.cost).arg(&a.rid).arg(flag(a.count_demand)).arg(&a.key);
+        inv.arg(&a.rid).arg(flag(a.count_demand)).arg(&a.key);
+        for i in 0..quotas.len() {
+            inv.arg(a.costs.get(i).copied().unwrap_or(0));
+        }
     }
     inv
 }
 
-/// One run of the spend script: the decisions of `asks`, in order.
-#[tracing::instrument(level = "debug", skip_all, fields(prefix = on.prefix, asks = asks.len()))]
+/// One run of the spend script: the decisions of `asks`, in order, over
+/// `quotas` (all of one tenant: they share a Cluster slot).
+#[tracing::instrument(level = "debug", skip_all, fields(quotas = quotas.len(), asks = asks.len()))]
 pub async fn spend(
     store: &Store,
-    on: On<'_>,
     by: Caller<'_>,
-    common: Common,
+    quotas: &[Part<'_>],
     asks: &[Ask],
-) -> Result<Outcome<Vec<Spend>>, StoreError> {
-    let r: Reply = store.eval(&spend_invocation(on, by, common, asks)).await?;
+) -> Result<Outcome<Decided>, StoreError> {
+    let r: Reply = store.eval(&spend_invocation(by, quotas, asks)).await?;
     read_spend(&r, asks.len())
 }
 
-/// The spend script's reply: `{'lost', token, flag}` or `{'ok', token, d1, d2, ...}`.
-fn read_spend(r: &Reply, asks: usize) -> Result<Outcome<Vec<Spend>>, StoreError> {
-    let token = r.str(1);
+/// The spend script's reply: `{'lost', i, token, flag}` or
+/// `{'ok', {tokens}, d1, d2, ...}`.
+fn read_spend(r: &Reply, asks: usize) -> Result<Outcome<Decided>, StoreError> {
     match r.str(0).as_str() {
-        "lost" => Ok(Outcome::Lost(Lost { token, cause: LossCause::from_flag(r.int(2)) })),
+        "lost" => Ok(Outcome::Lost(Lost {
+            quota: index(r.int(1))?,
+            token: r.str(2),
+            cause: LossCause::from_flag(r.int(3)),
+        })),
         "ok" => {
-            let value = (0..asks).map(|i| decision(&r.nested(2 + i))).collect::<Result<_, _>>()?;
-            Ok(Outcome::Ran { token, value })
+            let t = r.nested(1);
+            let tokens = (0..t.0.len()).map(|i| t.str(i)).collect();
+            let decisions = (0..asks).map(|i| decision(&r.nested(2 + i))).collect::<Result<_, _>>()?;
+            Ok(Outcome::Ran { token: String::new(), value: Decided { tokens, decisions } })
         }
         other => Err(StoreError::Protocol(other.to_string())),
     }
@@ -246,29 +290,49 @@ fn short() -> StoreError {
     StoreError::Protocol("the spend script answered fewer decisions than requests".into())
 }
 
+/// A Lua quota index (from 1) as the run's index (from 0).
+fn index(i: i64) -> Result<usize, StoreError> {
+    usize::try_from(i - 1).map_err(|_| StoreError::Protocol(format!("quota index {i}")))
+}
+
 /// One decision of the spend script's answer.
 fn decision(d: &Reply) -> Result<Spend, StoreError> {
     let code = d.str(0);
     Ok(match code.as_str() {
-        "lease" | "fallback" => Spend::Admit(Admit {
-            source: code,
-            window_start: d.int(1),
-            remaining: d.int(2),
-            key_remaining: Some(d.int(3)).filter(|k| *k >= 0),
-        }),
-        "dup" => {
-            let s = d.str(1);
-            let mut it = s.splitn(3, ':');
-            let source = it.next().unwrap_or("lease").to_string();
-            let ws = it.next().and_then(|v| v.parse().ok()).unwrap_or(0);
-            let remaining = it.next().and_then(|v| v.parse().ok()).unwrap_or(0);
-            Spend::Admit(Admit { source, window_start: ws, remaining, key_remaining: None })
+        "admit" => {
+            let parts = d.nested(1);
+            Spend::Admit(
+                (0..parts.0.len())
+                    .map(|i| {
+                        let p = parts.nested(i);
+                        Admit {
+                            source: p.str(0),
+                            window_start: p.int(1),
+                            remaining: p.int(2),
+                            key_remaining: Some(p.int(3)).filter(|k| *k >= 0),
+                        }
+                    })
+                    .collect(),
+            )
         }
-        "none" => Spend::None { wait_ms: d.int(1), exhausted_ms: d.int(2) },
-        "key" => Spend::KeyLimited { retry_ms: d.int(1), remaining: d.int(2) },
+        "dup" => {
+            let recs = d.nested(1);
+            Spend::Admit((0..recs.0.len()).map(|i| record(&recs.str(i))).collect())
+        }
+        "none" => Spend::None { quota: index(d.int(1))?, wait_ms: d.int(2), exhausted_ms: d.int(3) },
+        "key" => Spend::KeyLimited { quota: index(d.int(1))?, retry_ms: d.int(2), remaining: d.int(3) },
         "" => return Err(short()),
         other => return Err(StoreError::Protocol(other.to_string())),
     })
+}
+
+/// A request id's record `src:ws:remaining`: the first decision, repeated.
+fn record(s: &str) -> Admit {
+    let mut it = s.splitn(3, ':');
+    let source = it.next().filter(|s| !s.is_empty()).unwrap_or("lease").to_string();
+    let window_start = it.next().and_then(|v| v.parse().ok()).unwrap_or(0);
+    let remaining = it.next().and_then(|v| v.parse().ok()).unwrap_or(0);
+    Admit { source, window_start, remaining, key_remaining: None }
 }
 
 /// What the view script passes besides the quota and the caller.
@@ -331,7 +395,7 @@ pub async fn view(
 fn read_view(r: &Reply, at: Instant) -> Outcome<(View, i64)> {
     let token = r.str(1);
     if r.str(0) == "lost" {
-        return Outcome::Lost(Lost { token, cause: LossCause::from_flag(r.int(2)) });
+        return Outcome::Lost(Lost { quota: 0, token, cause: LossCause::from_flag(r.int(2)) });
     }
     let v = View {
         ws: r.int(2),
@@ -409,7 +473,7 @@ fn read_credit(r: &Reply) -> Outcome<Credit> {
         "stale" => Credit::Stale,
         // `lost`, or anything else: the state is not the one the lease was
         // meant for; stranding it is the safe side.
-        _ => return Outcome::Lost(Lost { token: r.str(1), cause: LossCause::Moved }),
+        _ => return Outcome::Lost(Lost { quota: 0, token: r.str(1), cause: LossCause::Moved }),
     };
     Outcome::Ran { token: String::new(), value }
 }
@@ -455,6 +519,22 @@ pub async fn shadow(store: &Store, prefix: &str, window_start: i64) -> Result<()
     let mut inv = SHADOW.prepare_invoke();
     inv.key(Keys::incarnation(prefix)).arg(prefix).arg(window_start).arg(COUNTER_TTL_MS);
     store.eval::<i64>(&inv).await.map(|_| ())
+}
+
+/// The legacy gate script: marks this agent's layout present in the region
+/// and moves the gate forward when `legacy_live` (or when no agent of the
+/// tenant layout was present). Returns the gate (Redis clock, ms).
+#[tracing::instrument(level = "debug", skip_all, fields(legacy_live))]
+pub async fn legacy_gate(
+    store: &Store,
+    presence: &str,
+    gate: &str,
+    legacy_live: bool,
+    live_ttl_ms: i64,
+) -> Result<i64, StoreError> {
+    let mut inv = LEGACY.prepare_invoke();
+    inv.key(presence).key(gate).arg(flag(legacy_live)).arg(live_ttl_ms).arg(COUNTER_TTL_MS);
+    store.eval(&inv).await
 }
 
 /// A script's array answer, read field by field.
@@ -514,44 +594,61 @@ mod tests {
     }
 
     #[test]
-    fn spend_invocation_sends_one_key_twelve_arguments_then_four_per_ask() {
+    fn spend_invocation_sends_a_key_per_quota_six_arguments_eight_per_quota_then_three_plus_one_per_quota_per_ask(
+    ) {
         let per_key = Some(Bucket { rate_milli: 8000, burst: 8 });
-        let common = Common { fallback: true, window_secs: 60, allowance: 7, rid_ttl_ms: 1234, per_key };
+        let common = Common {
+            legacy_until_ms: 0,
+            fallback: true,
+            window_secs: 60,
+            allowance: 7,
+            rid_ttl_ms: 1234,
+            per_key,
+        };
         let asks = [
-            Ask { cost: 3, rid: "3:r-1".into(), count_demand: true, key: "5:alice".into() },
-            Ask { cost: 1, rid: String::new(), count_demand: false, key: String::new() },
+            Ask { costs: vec![3, 1], rid: "3:r-1".into(), count_demand: true, key: "5:alice".into() },
+            Ask { costs: vec![1, 0], rid: String::new(), count_demand: false, key: String::new() },
         ];
-        let on = On { prefix: "q:{1:a/1:b}:", token: "tok" };
-        let inv = spend_invocation(on, Caller { agent: "eu-1", epoch: 9 }, common, &asks);
-        // KEYS[1] is the incarnation key; twelve ARGV, then four per ask
-        // (the arguments themselves are not shown by the redis crate).
+        let quotas = [
+            Part { on: On { prefix: "q:{1:a}:1:b:", token: "tok" }, common },
+            Part { on: On { prefix: "q:{1:a}:1:c:", token: "" }, common: Common { per_key: None, ..common } },
+        ];
+        let inv = spend_invocation(Caller { agent: "eu-1", epoch: 9 }, &quotas, &asks);
+        // (the arguments themselves are not shown by the redis crate)
         let shown = format!("{inv:?}");
-        assert!(shown.contains("args: 20") && shown.contains("keys: 1"), "{shown}");
+        assert!(shown.contains("args: 32") && shown.contains("keys: 2"), "{shown}");
     }
 
     #[test]
     fn spend_replies_are_read_per_request() {
+        let arr = Value::Array;
+        let part =
+            |src: &str, ws, rem, key| arr(vec![bulk(src), Value::Int(ws), Value::Int(rem), Value::Int(key)]);
         let ok = reply(vec![
             bulk("ok"),
-            bulk("tok"),
-            Value::Array(vec![bulk("lease"), Value::Int(60), Value::Int(4), Value::Int(-1)]),
-            Value::Array(vec![bulk("dup"), bulk("fallback:120:2")]),
-            Value::Array(vec![bulk("none"), Value::Int(-1), Value::Int(700), Value::Int(0)]),
-            Value::Array(vec![bulk("fallback"), Value::Int(120), Value::Int(1), Value::Int(5)]),
-            Value::Array(vec![bulk("key"), Value::Int(125), Value::Int(0)]),
+            arr(vec![bulk("tok"), bulk("tok2")]),
+            arr(vec![bulk("admit"), arr(vec![part("lease", 60, 4, -1)])]),
+            arr(vec![bulk("dup"), arr(vec![bulk("fallback:120:2"), bulk("lease:120:9")])]),
+            arr(vec![bulk("none"), Value::Int(2), Value::Int(-1), Value::Int(700), Value::Int(0)]),
+            arr(vec![bulk("admit"), arr(vec![part("fallback", 120, 1, 5), part("lease", 120, 0, -1)])]),
+            arr(vec![bulk("key"), Value::Int(1), Value::Int(125), Value::Int(0)]),
         ]);
         let got = read_spend(&ok, 5).unwrap();
-        let admit = |source: &str, window_start, remaining, key_remaining| {
-            Spend::Admit(Admit { source: source.into(), window_start, remaining, key_remaining })
+        let admit = |source: &str, window_start, remaining, key_remaining| Admit {
+            source: source.into(),
+            window_start,
+            remaining,
+            key_remaining,
         };
         let want = vec![
-            admit("lease", 60, 4, None),
-            admit("fallback", 120, 2, None),
-            Spend::None { wait_ms: -1, exhausted_ms: 700 },
-            admit("fallback", 120, 1, Some(5)),
-            Spend::KeyLimited { retry_ms: 125, remaining: 0 },
+            Spend::Admit(vec![admit("lease", 60, 4, None)]),
+            Spend::Admit(vec![admit("fallback", 120, 2, None), admit("lease", 120, 9, None)]),
+            Spend::None { quota: 1, wait_ms: -1, exhausted_ms: 700 },
+            Spend::Admit(vec![admit("fallback", 120, 1, Some(5)), admit("lease", 120, 0, None)]),
+            Spend::KeyLimited { quota: 0, retry_ms: 125, remaining: 0 },
         ];
-        assert_eq!(got, Outcome::Ran { token: "tok".into(), value: want });
+        let tokens = vec!["tok".to_string(), "tok2".to_string()];
+        assert_eq!(got, Outcome::Ran { token: String::new(), value: Decided { tokens, decisions: want } });
         // Fewer decisions than requests is a protocol error, not a refusal.
         assert!(matches!(read_spend(&ok, 6), Err(StoreError::Protocol(_))));
     }
@@ -559,22 +656,23 @@ mod tests {
     #[test]
     fn loss_flags_map_to_one_cause_each() {
         for (flag, cause) in [(1, LossCause::Installed), (2, LossCause::Lost), (3, LossCause::RolledBack)] {
-            let lost = reply(vec![bulk("lost"), bulk("new"), Value::Int(flag)]);
+            let lost = reply(vec![bulk("lost"), Value::Int(2), bulk("new"), Value::Int(flag)]);
             assert_eq!(
                 read_spend(&lost, 2).unwrap(),
-                Outcome::Lost(Lost { token: "new".into(), cause }),
+                Outcome::Lost(Lost { quota: 1, token: "new".into(), cause }),
                 "spend flag {flag}"
             );
+            let lost = reply(vec![bulk("lost"), bulk("new"), Value::Int(flag)]);
             assert_eq!(
                 read_view(&lost, Instant::now()),
-                Outcome::Lost(Lost { token: "new".into(), cause }),
+                Outcome::Lost(Lost { quota: 0, token: "new".into(), cause }),
                 "view flag {flag}"
             );
         }
         let moved = reply(vec![bulk("lost"), bulk("other")]);
         assert_eq!(
             read_credit(&moved),
-            Outcome::Lost(Lost { token: "other".into(), cause: LossCause::Moved })
+            Outcome::Lost(Lost { quota: 0, token: "other".into(), cause: LossCause::Moved })
         );
     }
 

@@ -9,10 +9,10 @@
 use crate::app::AppState;
 use crate::batch;
 use crate::error::{Error, Result};
-use crate::keys::Keys;
+use crate::keys::{Keys, Layout};
 use crate::quotas::{self, PolicyInfo, Quota};
 use crate::renew;
-use crate::scripts::{self, Admit, Ask, Caller, Common, On, Outcome, Spend};
+use crate::scripts::{self, Admit, Ask, Caller, Common, On, Outcome, Part, Spend};
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
@@ -49,22 +49,83 @@ fn one() -> i64 {
     1
 }
 
-/// `POST /v1/acquire` body.
+/// Most quotas one request may name.
+pub const MAX_RESOURCES: usize = 8;
+
+/// One quota of a request that names several (`resources`).
+#[derive(Debug, Clone, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ResourceCost {
+    pub resource: String,
+    #[serde(default = "one")]
+    pub cost: i64,
+}
+
+/// `POST /v1/acquire` body: one quota (`resource`, `cost`) or several of
+/// the tenant's (`resources`), decided together: every limit allows and
+/// is debited, or none is.
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct AcquireRequest {
     pub tenant: String,
-    pub resource: String,
-    #[serde(default = "one")]
-    pub cost: i64,
+    /// The quota (exactly one of `resource` and `resources`).
+    #[serde(default)]
+    pub resource: Option<String>,
+    /// Tokens on `resource` (default 1; not with `resources`).
+    #[serde(default)]
+    pub cost: Option<i64>,
+    /// Several quotas of the tenant, each with its cost (default 1), 1 to
+    /// 8, each named once.
+    #[serde(default)]
+    #[schema(min_items = 1, max_items = 8)]
+    pub resources: Option<Vec<ResourceCost>>,
     #[serde(default)]
     pub request_id: Option<String>,
     /// The principal (user, API key) whose per-key bucket the request
-    /// spends: 1 to 128 visible ASCII characters. Required when the
-    /// quota's policy has `per_key` (422 otherwise); ignored when it has none.
+    /// spends: 1 to 128 visible ASCII characters. Required when a named
+    /// quota's policy has `per_key` (422 otherwise); ignored by the others.
     #[serde(default)]
     #[schema(min_length = 1, max_length = 128, pattern = "^[!-~]{1,128}$")]
     pub key: Option<String>,
+}
+
+/// A valid acquire: the quotas it spends, in the request's order.
+#[derive(Debug, Clone)]
+pub struct Acquire {
+    pub tenant: String,
+    pub wants: Vec<ResourceCost>,
+    /// Whether the request used the `resources` form (its answer lists
+    /// each quota).
+    pub multi: bool,
+    pub request_id: Option<String>,
+    pub key: Option<String>,
+}
+
+impl Acquire {
+    /// The field a problem with quota `i`'s cost or key is named by.
+    fn field(&self, single: &'static str) -> &'static str {
+        if self.multi {
+            "resources"
+        } else {
+            single
+        }
+    }
+
+    /// The request id claim's value: what the id stands for.
+    fn claim(&self) -> String {
+        let mut v = self.wants.iter().map(|w| format!("{}:{}:{}", w.resource.len(), w.resource, w.cost));
+        let mut s = v.next().unwrap_or_default();
+        for w in v {
+            s.push('+');
+            s.push_str(&w);
+        }
+        // The key joins the claim only when given, so a claim written
+        // before per-key limits existed still matches its keyless repeat.
+        if let Some(k) = &self.key {
+            s.push_str(&format!(":{}:{k}", k.len()));
+        }
+        s
+    }
 }
 
 /// Whether `s` is 1 to `max` visible ASCII characters (no space, no control).
@@ -72,7 +133,9 @@ fn visible_ascii(s: &str, max: usize) -> bool {
     !s.is_empty() && s.len() <= max && s.chars().all(|c| c.is_ascii_graphic())
 }
 
-fn parse(body: std::result::Result<Bytes, BytesRejection>) -> Result<AcquireRequest> {
+const FIELDS: [&str; 7] = ["tenant", "resource", "cost", "resources", "request_id", "key", "body"];
+
+fn parse(body: std::result::Result<Bytes, BytesRejection>) -> Result<Acquire> {
     let bytes = body.map_err(|r| {
         if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
             Error::PayloadTooLarge
@@ -80,8 +143,9 @@ fn parse(body: std::result::Result<Bytes, BytesRejection>) -> Result<AcquireRequ
             Error::MalformedJson(r.body_text())
         }
     })?;
-    // The path of the value that failed (`key` for `"key": 7`); `.` for
-    // the body itself (a missing or unknown field, named in the message).
+    // The path of the value that failed (`key` for `"key": 7`,
+    // `resources[0].cost` for a bad cost in the list); `.` for the body
+    // itself (a missing or unknown field, named in the message).
     let de = &mut serde_json::Deserializer::from_slice(&bytes);
     let req: AcquireRequest = serde_path_to_error::deserialize(de).map_err(|e| {
         let path = e.path().to_string();
@@ -95,24 +159,52 @@ fn parse(body: std::result::Result<Bytes, BytesRejection>) -> Result<AcquireRequ
                     .split('`')
                     .nth(1)
                     .filter(|_| msg.starts_with("unknown field") || msg.starts_with("missing field"));
+                let top = path.split(['[', '.']).next().unwrap_or("");
                 let field = match quoted {
-                    Some(f) => f.to_string(),
-                    None => ["tenant", "resource", "cost", "request_id", "key"]
-                        .into_iter()
-                        .find(|f| *f == path)
-                        .unwrap_or("body")
-                        .to_string(),
+                    Some(f) if !path.starts_with("resources") => f.to_string(),
+                    _ => FIELDS.into_iter().find(|f| *f == top).unwrap_or("body").to_string(),
                 };
-                Error::invalid(field, msg)
+                Error::invalid(field, if path == "." { msg } else { format!("{path}: {msg}") })
             }
             _ => Error::MalformedJson(e.to_string()),
         }
     })?;
-    for (field, v) in [("tenant", &req.tenant), ("resource", &req.resource)] {
-        quota_shared::ids::validate_id(v).map_err(|e| Error::invalid(field, format!("{v:?} {e}")))?;
-    }
-    if !(1..=MAX_COST).contains(&req.cost) {
-        return Err(Error::invalid("cost", format!("must be between 1 and {MAX_COST}, got {}", req.cost)));
+    quota_shared::ids::validate_id(&req.tenant)
+        .map_err(|e| Error::invalid("tenant", format!("{:?} {e}", req.tenant)))?;
+    let (wants, multi) = match (req.resource, req.resources) {
+        (Some(resource), None) => (vec![ResourceCost { resource, cost: req.cost.unwrap_or(1) }], false),
+        (None, Some(list)) => {
+            if req.cost.is_some() {
+                return Err(Error::invalid("cost", "with `resources`, each entry carries its own cost"));
+            }
+            if list.is_empty() || list.len() > MAX_RESOURCES {
+                return Err(Error::invalid(
+                    "resources",
+                    format!("must name 1 to {MAX_RESOURCES} quotas, got {}", list.len()),
+                ));
+            }
+            (list, true)
+        }
+        (Some(_), Some(_)) => {
+            return Err(Error::invalid("resources", "name either `resource` or `resources`, not both"))
+        }
+        (None, None) => {
+            return Err(Error::invalid("resource", "missing field `resource` (or `resources`)"));
+        }
+    };
+    let field = |single| if multi { "resources" } else { single };
+    for (i, w) in wants.iter().enumerate() {
+        quota_shared::ids::validate_id(&w.resource)
+            .map_err(|e| Error::invalid(field("resource"), format!("{:?} {e}", w.resource)))?;
+        if !(1..=MAX_COST).contains(&w.cost) {
+            return Err(Error::invalid(
+                field("cost"),
+                format!("cost must be between 1 and {MAX_COST}, got {}", w.cost),
+            ));
+        }
+        if wants[..i].iter().any(|o| o.resource == w.resource) {
+            return Err(Error::invalid("resources", format!("{:?} is named twice", w.resource)));
+        }
     }
     if let Some(r) = &req.request_id {
         if !visible_ascii(r, MAX_REQUEST_ID_LEN) {
@@ -130,7 +222,7 @@ fn parse(body: std::result::Result<Bytes, BytesRejection>) -> Result<AcquireRequ
             ));
         }
     }
-    Ok(req)
+    Ok(Acquire { tenant: req.tenant, wants, multi, request_id: req.request_id, key: req.key })
 }
 
 /// `POST /v1/acquire`: one admission decision.
@@ -139,13 +231,13 @@ fn parse(body: std::result::Result<Bytes, BytesRejection>) -> Result<AcquireRequ
     path = "/v1/acquire",
     request_body = AcquireRequest,
     responses(
-        (status = 200, description = "Admitted: {allowed: true, source: lease|fallback, window_start, remaining, key_remaining (with a per-key limit: whole tokens left in the key's bucket), shadow_refused (a policy in shadow mode: true where an enforced one would answer 429; then source is shadow and limit names what would have refused)}; carries RateLimit-Policy and RateLimit for the most restrictive limit"),
+        (status = 200, description = "Admitted: {allowed: true, source: lease|fallback, window_start, remaining, key_remaining (with a per-key limit: whole tokens left in the key's bucket), shadow_refused (a policy in shadow mode: true where an enforced one would answer 429; then source is shadow and limit names what would have refused)}; with `resources`, also results: [{resource, source, window_start, remaining, key_remaining?, shadow_refused?, limit?}] in the request's order, the top-level fields then being those of the quota with the fewest tokens left; carries RateLimit-Policy and RateLimit for the most restrictive limit"),
         (status = 400, description = "Malformed JSON", body = quota_shared::wire::ErrorBody),
         (status = 404, description = "unknown_quota: the allocator has no policy for it", body = quota_shared::wire::ErrorBody),
         (status = 413, description = "payload_too_large: the body is over 64 KiB", body = quota_shared::wire::ErrorBody),
-        (status = 422, description = "Invalid value; the message names the field (also: key missing for a quota with a per-key limit, cost above its burst)", body = quota_shared::wire::ErrorBody),
-        (status = 409, description = "request_id_mismatch: the request_id was first used with another resource or cost (tenant-wide, until its window ends)", body = quota_shared::wire::ErrorBody),
-        (status = 429, description = "quota_exhausted (limit: the resource; only when the allocator said the pool is empty) or per_key_limited (limit: per_key; the key's bucket holds less than the cost, Retry-After from its refill), with allowed: false, retry_after_s, Retry-After, RateLimit-Policy and RateLimit"),
+        (status = 422, description = "Invalid value; the message names the field (also: key missing for a quota with a per-key limit, cost above its burst, both or neither of resource and resources, a quota named twice)", body = quota_shared::wire::ErrorBody),
+        (status = 409, description = "request_id_mismatch: the request_id was first used with other resources or costs (tenant-wide, until its window ends)", body = quota_shared::wire::ErrorBody),
+        (status = 429, description = "quota_exhausted (limit: the resource; only when the allocator said the pool is empty) or per_key_limited (limit: per_key; the key's bucket holds less than the cost, Retry-After from its refill), with allowed: false, resource (the quota that refused; nothing was debited on any), retry_after_s, Retry-After, RateLimit-Policy and RateLimit"),
         (status = 503, description = "allocator_unreachable (strict mode) or store_unavailable, with Retry-After"),
     ),
     tag = "agent"
@@ -156,72 +248,131 @@ pub(crate) async fn acquire(
     body: std::result::Result<Bytes, BytesRejection>,
 ) -> Response {
     let started = Instant::now();
-    let mut policy = None;
-    let mut name = String::from("unknown");
-    let mut req_resource = String::new();
+    let mut policies = Vec::new();
     let span = tracing::Span::current();
-    let result = match parse(body) {
-        Ok(req) => {
-            span.record("tenant", req.tenant.as_str());
-            span.record("resource", req.resource.as_str());
-            span.record("cost", req.cost);
-            name = format!("{}/{}", req.tenant, req.resource);
-            req_resource.clone_from(&req.resource);
-            decide(&app, &req, &mut policy).await
+    let req = match parse(body) {
+        Ok(r) => r,
+        Err(e) => {
+            span.record("outcome", e.code());
+            app.metrics.inc("agent_acquire_total", &[("outcome", e.code())]);
+            app.metrics.observe("agent_acquire_seconds", &[], started.elapsed().as_secs_f64());
+            return e.into_response();
         }
-        Err(e) => Err(e),
     };
+    span.record("tenant", req.tenant.as_str());
+    span.record("resource", req.wants.iter().map(|w| w.resource.as_str()).collect::<Vec<_>>().join(","));
+    span.record("cost", req.wants.iter().map(|w| w.cost).sum::<i64>());
+    let result = decide(&app, &req, &mut policies).await;
     let now = app.clock.now_utc();
-    let key_remaining = match &result {
-        Ok(d) => d.admit.key_remaining,
-        Err(Error::KeyLimited { remaining, .. }) => Some(*remaining),
-        Err(_) => None,
-    };
-    let (outcome, remaining, mut resp) = match result {
-        Ok(Decided { admit: a, shadow }) => {
-            let mut body = json!({
-                "allowed": true,
-                "source": a.source,
-                "window_start": Utc.timestamp_opt(a.window_start, 0).single().unwrap_or_default(),
-                "remaining": a.remaining,
-            });
-            if let Some(k) = a.key_remaining {
-                body["key_remaining"] = json!(k);
+    let name = |i: usize| format!("{}/{}", req.tenant, req.wants[i].resource);
+    // The quota the headers describe, its balance and its key's.
+    let (outcome, shown, mut resp) = match result {
+        Ok(d) => {
+            let results: Vec<serde_json::Value> = d
+                .parts
+                .iter()
+                .enumerate()
+                .map(|(i, p)| part_json(&req.wants[i].resource, p, &policies, i))
+                .collect();
+            // The top level: the quota with the fewest tokens left (the
+            // one a client backs off for first).
+            let top = (0..d.parts.len())
+                .min_by_key(|&i| (d.parts[i].shadow.is_some(), d.parts[i].admit.remaining))
+                .unwrap_or(0);
+            let mut body = results.get(top).cloned().unwrap_or_else(|| json!({}));
+            if let Some(o) = body.as_object_mut() {
+                o.remove("resource");
             }
-            if policy.is_some_and(|p| !p.enforce) {
-                body["shadow_refused"] = json!(shadow.is_some());
+            body["allowed"] = json!(true);
+            if req.multi {
+                body["results"] = json!(results);
             }
-            let outcome = match (&shadow, a.source.as_str()) {
-                (Some(_), _) => "shadow_refused",
-                (None, "fallback") => "fallback",
-                (None, _) => "lease",
+            let sources: Vec<&str> = d.parts.iter().map(|p| p.outcome()).collect();
+            let outcome = if sources.contains(&"shadow_refused") {
+                "shadow_refused"
+            } else if sources.contains(&"fallback") {
+                "fallback"
+            } else {
+                "lease"
             };
             if outcome == "fallback" {
                 app.metrics.inc("agent_fallback_admits_total", &[]);
             }
-            // As for a refusal: a key's says nothing of the quota's balance.
-            let remaining = match &shadow {
-                Some(Shadow::PerKey) => None,
-                _ => Some(a.remaining),
-            };
-            if let Some(s) = &shadow {
-                body["limit"] = json!(s.limit(&req_resource));
+            for (i, p) in d.parts.iter().enumerate() {
+                count(&app, &name(i), policies.get(i).copied(), p.outcome());
             }
-            (outcome, remaining, (StatusCode::OK, Json(body)).into_response())
+            let p = &d.parts[top];
+            // As for a refusal: a key's says nothing of the quota's balance.
+            let remaining = match p.shadow {
+                Some(Shadow::PerKey) => None,
+                _ => Some(p.admit.remaining),
+            };
+            (
+                outcome,
+                Some((top, remaining, p.admit.key_remaining)),
+                (StatusCode::OK, Json(body)).into_response(),
+            )
         }
-        // A key's refusal says nothing of the quota's balance: the
-        // headers then describe the key's bucket.
-        Err(e @ Error::KeyLimited { .. }) => (e.code(), None, e.into_response()),
-        Err(e) => (e.code(), Some(0), e.into_response()),
+        Err((e, at)) => {
+            let shown = match (&e, at) {
+                // A key's refusal says nothing of the quota's balance: the
+                // headers then describe the key's bucket.
+                (Error::KeyLimited { remaining, .. }, Some(i)) => Some((i, None, Some(*remaining))),
+                (_, Some(i)) => Some((i, Some(0), None)),
+                (_, None) => (req.wants.len() == 1).then_some((0, Some(0), None)),
+            };
+            let code = e.code();
+            for i in 0..req.wants.len() {
+                if at.is_none_or(|a| a == i) {
+                    count(&app, &name(i), policies.get(i).copied(), code);
+                }
+            }
+            (code, shown, e.into_response())
+        }
     };
     span.record("outcome", outcome);
-    tracing::debug!(remaining, "acquire answered");
-    crate::headers::rate_limit_headers(resp.headers_mut(), &name, policy, remaining, key_remaining, now);
+    if let Some((i, remaining, key_remaining)) = shown {
+        tracing::debug!(remaining, "acquire answered");
+        let policy = policies.get(i).copied();
+        crate::headers::rate_limit_headers(
+            resp.headers_mut(),
+            &name(i),
+            policy,
+            remaining,
+            key_remaining,
+            now,
+        );
+    }
     app.metrics.inc("agent_acquire_total", &[("outcome", outcome)]);
-    crate::gauges::count_refusal(&app.metrics, &name, policy.is_some(), outcome);
-    app.fleet_status.count(&name, policy, outcome, app.allocator_now());
     app.metrics.observe("agent_acquire_seconds", &[], started.elapsed().as_secs_f64());
     resp
+}
+
+/// One quota's counts of an answer (refusal gauges, fleet status).
+fn count(app: &AppState, name: &str, policy: Option<PolicyInfo>, outcome: &str) {
+    crate::gauges::count_refusal(&app.metrics, name, policy.is_some(), outcome);
+    app.fleet_status.count(name, policy, outcome, app.allocator_now());
+}
+
+/// One quota's part of an admit's body.
+fn part_json(resource: &str, p: &Paid, policies: &[PolicyInfo], i: usize) -> serde_json::Value {
+    let a = &p.admit;
+    let mut v = json!({
+        "resource": resource,
+        "source": a.source,
+        "window_start": Utc.timestamp_opt(a.window_start, 0).single().unwrap_or_default(),
+        "remaining": a.remaining,
+    });
+    if let Some(k) = a.key_remaining {
+        v["key_remaining"] = json!(k);
+    }
+    if policies.get(i).is_some_and(|p| !p.enforce) {
+        v["shadow_refused"] = json!(p.shadow.is_some());
+    }
+    if let Some(s) = p.shadow {
+        v["limit"] = json!(s.limit(resource));
+    }
+    v
 }
 
 /// Waits until the renewer reports, at most `d`.
@@ -264,29 +415,46 @@ impl Shadow {
     }
 }
 
-/// An admit, and whether it is one only because the policy is in shadow
-/// mode (then nothing was debited: the decision was a refusal).
+/// One quota's part of an admit, and whether it is one only because the
+/// policy is in shadow mode (then nothing was debited on that quota: its
+/// decision was a refusal).
 #[derive(Debug, Clone, PartialEq)]
-pub struct Decided {
+pub struct Paid {
     pub admit: Admit,
     pub shadow: Option<Shadow>,
 }
 
-/// Makes the decision for a valid request.
-async fn decide(
-    app: &AppState,
-    req: &AcquireRequest,
-    policy_out: &mut Option<PolicyInfo>,
-) -> Result<Decided> {
-    // Nothing is decided on a Redis that may evict the agent's keys (see `guard`).
-    app.guard.admit()?;
-    if app.unknown.contains(&req.tenant, &req.resource) {
-        return Err(Error::UnknownQuota(format!("{}/{}", req.tenant, req.resource)));
+impl Paid {
+    /// The outcome label of this quota's part.
+    fn outcome(&self) -> &'static str {
+        match (&self.shadow, self.admit.source.as_str()) {
+            (Some(_), _) => "shadow_refused",
+            (None, "fallback") => "fallback",
+            (None, _) => "lease",
+        }
     }
-    let q = renew::quota(app, &req.tenant, &req.resource).ok_or(Error::TooManyQuotas)?;
+}
+
+/// An admit: one part per quota of the request, in its order.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Decided {
+    pub parts: Vec<Paid>,
+}
+
+/// A refusal, and the index of the quota that refused (none when the
+/// agent could not decide for all of them, or before any was looked at).
+type Refused = (Error, Option<usize>);
+
+/// A quota of the request with its policy, learned if need be.
+async fn learn(app: &AppState, tenant: &str, resource: &str) -> Result<(Arc<Quota>, PolicyInfo)> {
+    let unknown = || Error::UnknownQuota(format!("{tenant}/{resource}"));
+    if app.unknown.contains(tenant, resource) {
+        return Err(unknown());
+    }
+    let q = renew::quota(app, tenant, resource).ok_or(Error::TooManyQuotas)?;
     *q.last_used.lock().unwrap() = Instant::now();
     if q.unknown() {
-        return Err(Error::UnknownQuota(format!("{}/{}", req.tenant, req.resource)));
+        return Err(unknown());
     }
     let mut policy = q.policy();
     if policy.is_none() {
@@ -301,7 +469,7 @@ async fn decide(
         let deadline = Instant::now() + learn;
         while q.policy().is_none()
             && !q.unknown()
-            && !app.unknown.contains(&req.tenant, &req.resource)
+            && !app.unknown.contains(tenant, resource)
             && Instant::now() < deadline
         {
             wait_renewal(&q, 1, deadline.saturating_duration_since(Instant::now())).await;
@@ -311,60 +479,133 @@ async fn decide(
         }
         policy = q.policy();
     }
-    if q.unknown() || app.unknown.contains(&req.tenant, &req.resource) {
-        return Err(Error::UnknownQuota(format!("{}/{}", req.tenant, req.resource)));
+    if q.unknown() || app.unknown.contains(tenant, resource) {
+        return Err(unknown());
     }
     let Some(p) = policy else {
         return Err(Error::AllocatorUnreachable);
     };
-    *policy_out = Some(p);
-    if req.cost > p.limit {
-        return Err(Error::invalid("cost", format!("{} is above the quota's limit {}", req.cost, p.limit)));
+    Ok((q, p))
+}
+
+/// The checks of one quota's cost and key against its policy.
+fn check(req: &Acquire, w: &ResourceCost, p: PolicyInfo) -> Result<()> {
+    let on = if req.multi { format!(" on {:?}", w.resource) } else { String::new() };
+    if w.cost > p.limit {
+        return Err(Error::invalid(
+            req.field("cost"),
+            format!("{}{on} is above the quota's limit {}", w.cost, p.limit),
+        ));
     }
     if let Some(b) = p.per_key {
         if req.key.is_none() {
             return Err(Error::invalid(
                 "key",
-                "the quota has a per-key limit: name the principal (user, API key) the request spends for",
+                format!(
+                    "the quota{on} has a per-key limit: name the principal (user, API key) the request spends for"
+                ),
             ));
         }
-        if req.cost > b.burst {
+        if w.cost > b.burst {
             return Err(Error::invalid(
-                "cost",
-                format!("{} is above the per-key burst {}", req.cost, b.burst),
+                req.field("cost"),
+                format!("{}{on} is above the per-key burst {}", w.cost, b.burst),
             ));
         }
     }
+    Ok(())
+}
+
+/// Makes the decision for a valid request; `policies` receives the policy
+/// of each quota as it is learned.
+async fn decide(
+    app: &AppState,
+    req: &Acquire,
+    policies: &mut Vec<PolicyInfo>,
+) -> std::result::Result<Decided, Refused> {
+    // Nothing is decided on a Redis that may evict the agent's keys (see `guard`).
+    app.guard.admit().map_err(|e| (e, None))?;
+    if req.multi && req.wants.len() > 1 && app.keys.layout() == Layout::Legacy {
+        return Err((
+            Error::invalid(
+                "resources",
+                "several quotas in one decision need the tenant key layout (--key-layout tenant)",
+            ),
+            None,
+        ));
+    }
+    let mut qs = Vec::with_capacity(req.wants.len());
+    for (i, w) in req.wants.iter().enumerate() {
+        let (q, p) = learn(app, &req.tenant, &w.resource).await.map_err(|e| (e, Some(i)))?;
+        policies.push(p);
+        check(req, w, p).map_err(|e| (e, Some(i)))?;
+        qs.push(q);
+    }
     let claimed = match &req.request_id {
-        Some(rid) => match claim_request_id(app, req, rid, p).await {
+        Some(rid) => match claim_request_id(app, req, rid, policies[0]).await {
             Ok(c) => c,
-            Err(ClaimError::Mismatch(m)) => return Err(Error::RequestIdMismatch(m)),
+            Err(ClaimError::Mismatch(m)) => return Err((Error::RequestIdMismatch(m), None)),
             Err(ClaimError::Store(e)) => {
-                tracing::warn!(tenant = %req.tenant, resource = %req.resource, error = %e, "request id claim failed");
-                return local_fallback(app, req, p).map(|admit| Decided { admit, shadow: None });
+                tracing::warn!(tenant = %req.tenant, error = %e, "request id claim failed");
+                return local_fallback(app, req, policies[0]).map_err(|e| (e, None));
             }
         },
         None => false,
     };
-    let decided = spend_with_waits(app, &q, p, req).await;
-    if claimed && decided.is_err() {
-        // Only admits are remembered: a refused request may be retried
-        // with the same id and another cost (a shadow admit is a refusal).
-        let key = app.keys.request_id_claim(&req.tenant, req.request_id.as_deref().unwrap_or_default());
-        let _: std::result::Result<i64, _> = app.store.cmd(redis::cmd("DEL").arg(key)).await;
+    // A quota in shadow mode that would refuse is left out and the others
+    // decided again (at most once per quota).
+    let mut shadow: Vec<Option<(Shadow, Error)>> = (0..qs.len()).map(|_| None).collect();
+    let decided = loop {
+        let active: Vec<usize> = (0..qs.len()).filter(|&i| shadow[i].is_none()).collect();
+        if active.is_empty() {
+            break Ok(Vec::new());
+        }
+        match spend_with_waits(app, &qs, policies, req, &active).await {
+            Ok(admits) => break Ok(admits),
+            Err((e, Some(i))) if !policies[i].enforce && Shadow::of(&e).is_some() => {
+                shadow[i] = Shadow::of(&e).map(|s| (s, e));
+            }
+            Err(r) => break Err(r),
+        }
+    };
+    let admits = match decided {
+        Ok(a) => a,
+        Err(r) => {
+            if claimed {
+                // Only admits are remembered: a refused request may be
+                // retried with the same id and another cost.
+                let key =
+                    app.keys.request_id_claim(&req.tenant, req.request_id.as_deref().unwrap_or_default());
+                let _: std::result::Result<i64, _> = app.store.cmd(redis::cmd("DEL").arg(key)).await;
+            }
+            return Err(r);
+        }
+    };
+    // One admit per quota decided, in order; the others are shadow admits.
+    let mut admits = admits.into_iter();
+    let mut parts = Vec::with_capacity(qs.len());
+    for (i, q) in qs.iter().enumerate() {
+        let part = match &shadow[i] {
+            Some((s, e)) => shadow_admit(app, q, policies[i], *s, e).await,
+            None => match admits.next() {
+                Some(admit) => Paid { admit, shadow: None },
+                None => return Err((short(), None)),
+            },
+        };
+        parts.push(part);
     }
-    match decided {
-        Ok(admit) => Ok(Decided { admit, shadow: None }),
-        Err(e) => match Shadow::of(&e).filter(|_| !p.enforce) {
-            Some(s) => Ok(shadow_admit(app, &q, p, s, &e).await),
-            None => Err(e),
-        },
-    }
+    Ok(Decided { parts })
+}
+
+/// A run that answered fewer quotas than it decided on.
+fn short() -> Error {
+    tracing::error!("the spend script answered fewer quotas than the request named");
+    Error::StoreUnavailable
 }
 
 /// Shadow mode: the refusal `e` an enforced policy would answer becomes an
-/// admit that debits nothing, counted for the window's report.
-async fn shadow_admit(app: &AppState, q: &Quota, p: PolicyInfo, s: Shadow, e: &Error) -> Decided {
+/// admit that debits nothing on the quota, counted for the window's report.
+async fn shadow_admit(app: &AppState, q: &Quota, p: PolicyInfo, s: Shadow, e: &Error) -> Paid {
     let ws = Window::containing(app.allocator_now(), p.window_secs).start;
     if let Err(err) = scripts::shadow(&app.store, &q.prefix, ws).await {
         tracing::warn!(tenant = %q.tenant, resource = %q.resource, error = %err, "shadow refusal not counted");
@@ -379,7 +620,7 @@ async fn shadow_admit(app: &AppState, q: &Quota, p: PolicyInfo, s: Shadow, e: &E
         Error::KeyLimited { remaining, .. } => Some(*remaining),
         _ => None,
     };
-    Decided {
+    Paid {
         admit: Admit { source: "shadow".into(), window_start: ws, remaining: 0, key_remaining },
         shadow: Some(s),
     }
@@ -445,13 +686,16 @@ pub fn step(seen: Seen, elapsed: Duration, budget: Duration) -> Step {
     Step::WaitRenewal(left)
 }
 
-/// Spends, waiting for renewals by [`step`]'s rule.
+/// Spends on the quotas `active` (indices into `qs`) in one atomic
+/// decision, waiting for renewals by [`step`]'s rule. Answers one admit per
+/// active quota, in order, or the refusal and the quota that refused.
 async fn spend_with_waits(
     app: &AppState,
-    q: &Arc<Quota>,
-    p: PolicyInfo,
-    req: &AcquireRequest,
-) -> Result<Admit> {
+    qs: &[Arc<Quota>],
+    ps: &[PolicyInfo],
+    req: &Acquire,
+    active: &[usize],
+) -> std::result::Result<Vec<Admit>, Refused> {
     // One wait for the renewal the request wakes, then up to one allocator
     // timeout for its answer: a renewal that times out makes the allocator
     // unreachable, which the fail mode then decides.
@@ -461,46 +705,60 @@ async fn spend_with_waits(
     let mut counted = false;
     for _ in 0..MAX_TRIES {
         let reachable = app.allocator_reachable();
-        let fallback = !reachable && p.fail_mode == FailMode::Bounded;
-        let r = match spend_once(app, q, p, req, fallback, !counted).await {
+        let fallback: Vec<bool> = ps.iter().map(|p| !reachable && p.fail_mode == FailMode::Bounded).collect();
+        let r = match spend_once(app, qs, ps, req, active, &fallback, !counted).await {
             Ok(r) => r,
             Err(e) => {
-                tracing::warn!(tenant = %req.tenant, resource = %req.resource, error = %e, "spend failed");
-                return local_fallback(app, req, p);
+                tracing::warn!(tenant = %req.tenant, error = %e, "spend failed");
+                return match local_fallback(app, req, ps[active[0]]) {
+                    Ok(d) => Ok(d.parts.into_iter().map(|p| p.admit).collect()),
+                    Err(e) => Err((e, None)),
+                };
             }
         };
-        let (wait_ms, exhausted_ms) = match r {
-            Outcome::Ran { value: Spend::Admit(a), .. } => return Ok(a),
+        let (at, wait_ms, exhausted_ms) = match r {
+            Outcome::Ran { value: Spend::Admit(a), .. } if a.len() == active.len() => return Ok(a),
+            Outcome::Ran { value: Spend::Admit(_), .. } => return Err((short(), None)),
             // The script has stranded what it could not trust and the
             // run settled the loss (re-registering); decide again on the
             // fresh incarnation.
             Outcome::Lost(_) => continue,
-            Outcome::Ran { value: Spend::None { wait_ms, exhausted_ms }, .. } => (wait_ms, exhausted_ms),
+            Outcome::Ran { value: Spend::None { quota, wait_ms, exhausted_ms }, .. } => {
+                (active.get(quota).copied().unwrap_or(active[0]), wait_ms, exhausted_ms)
+            }
             // The key's own limit: no renewal or fallback changes it.
-            Outcome::Ran { value: Spend::KeyLimited { retry_ms, remaining }, .. } => {
-                return Err(Error::KeyLimited { retry_after_ms: retry_ms, remaining })
+            Outcome::Ran { value: Spend::KeyLimited { quota, retry_ms, remaining }, .. } => {
+                let i = active.get(quota).copied().unwrap_or(active[0]);
+                let resource = req.wants[i].resource.clone();
+                return Err((Error::KeyLimited { resource, retry_after_ms: retry_ms, remaining }, Some(i)));
             }
         };
         counted = true;
-        let seen =
-            Seen { wait_ms, exhausted_ms, reachable, fail_mode: p.fail_mode, fallback_tried: fallback };
+        let seen = Seen {
+            wait_ms,
+            exhausted_ms,
+            reachable,
+            fail_mode: ps[at].fail_mode,
+            fallback_tried: fallback[at],
+        };
         match step(seen, started.elapsed(), budget) {
             Step::SleepOpen(d) => tokio::time::sleep(d).await,
-            Step::WaitRenewal(d) => wait_renewal(q, req.cost, d).await,
+            Step::WaitRenewal(d) => wait_renewal(&qs[at], req.wants[at].cost, d).await,
             Step::Again => {}
             Step::Exhausted(ms) => {
-                return Err(Error::Exhausted { resource: req.resource.clone(), retry_after_ms: ms })
+                let resource = req.wants[at].resource.clone();
+                return Err((Error::Exhausted { resource, retry_after_ms: ms }, Some(at)));
             }
             Step::Unavailable => {
                 if reachable {
-                    tracing::debug!(tenant = %req.tenant, resource = %req.resource,
+                    tracing::debug!(tenant = %req.tenant, resource = %req.wants[at].resource,
                         waited_ms = started.elapsed().as_millis() as u64, "no token after both waits");
                 }
-                return Err(Error::AllocatorUnreachable);
+                return Err((Error::AllocatorUnreachable, Some(at)));
             }
         }
     }
-    Err(Error::AllocatorUnreachable)
+    Err((Error::AllocatorUnreachable, None))
 }
 
 /// Why a request id could not be claimed.
@@ -510,23 +768,18 @@ enum ClaimError {
 }
 
 /// Ties a request id to its request, tenant-wide: the first use records
-/// the quota and cost (until the current window's end plus a margin); a
-/// repeat with the same quota and cost proceeds (the spend script answers
-/// it with the first decision), one with another quota or cost is refused.
-/// Returns whether this request made the claim.
+/// the quotas and costs (until the current window's end plus a margin); a
+/// repeat with the same ones proceeds (the spend script answers it with
+/// the first decision), one with others is refused. Returns whether this
+/// request made the claim.
 async fn claim_request_id(
     app: &AppState,
-    req: &AcquireRequest,
+    req: &Acquire,
     rid: &str,
     p: PolicyInfo,
 ) -> std::result::Result<bool, ClaimError> {
     let key = app.keys.request_id_claim(&req.tenant, rid);
-    // The key joins the claim only when given, so a claim written before
-    // per-key limits existed still matches its keyless repeat.
-    let value = match &req.key {
-        None => format!("{}:{}:{}", req.resource.len(), req.resource, req.cost),
-        Some(k) => format!("{}:{}:{}:{}:{k}", req.resource.len(), req.resource, req.cost, k.len()),
-    };
+    let value = req.claim();
     let ttl = request_id_ttl_ms(app, p);
     let old: Option<String> = app
         .store
@@ -536,28 +789,36 @@ async fn claim_request_id(
     match old {
         None => Ok(true),
         Some(o) if o == value => Ok(false),
-        Some(o) => {
-            let first = o.split_once(':').and_then(|(n, rest)| {
-                let n: usize = n.parse().ok()?;
-                let (res, after) = (rest.get(..n)?, rest.get(n + 1..)?);
-                let (cost, key) = match after.split_once(':') {
-                    Some((cost, key)) => (cost, key.split_once(':').map(|(_, k)| k)),
-                    None => (after, None),
-                };
-                Some(match key {
-                    Some(k) => format!("resource {res:?} with cost {cost} and key {k:?}"),
-                    None => format!("resource {res:?} with cost {cost}"),
-                })
-            });
-            let key = req.key.as_ref().map(|k| format!(" and key {k:?}")).unwrap_or_default();
-            Err(ClaimError::Mismatch(format!(
-                "request_id {rid:?} was first used for {}; this request names resource {:?} with cost {}{key}",
-                first.unwrap_or_else(|| "another request".into()),
-                req.resource,
-                req.cost
-            )))
+        Some(o) => Err(ClaimError::Mismatch(format!(
+            "request_id {rid:?} was first used for {}; this request names {}",
+            describe_claim(&o).unwrap_or_else(|| "another request".into()),
+            describe_claim(&value).unwrap_or_default(),
+        ))),
+    }
+}
+
+/// A claim's value in words: `resource "read" with cost 1 and key "u"`.
+fn describe_claim(v: &str) -> Option<String> {
+    let mut parts = Vec::new();
+    let mut rest = v;
+    let mut key = None;
+    loop {
+        let (n, after) = rest.split_once(':')?;
+        let n: usize = n.parse().ok()?;
+        let (res, after) = (after.get(..n)?, after.get(n + 1..)?);
+        let end = after.find(['+', ':']).unwrap_or(after.len());
+        parts.push(format!("resource {res:?} with cost {}", &after[..end]));
+        match after.as_bytes().get(end) {
+            Some(b'+') => rest = &after[end + 1..],
+            Some(_) => {
+                key = after[end + 1..].split_once(':').map(|(_, k)| k.to_string());
+                break;
+            }
+            None => break,
         }
     }
+    let key = key.map(|k| format!(" and key {k:?}")).unwrap_or_default();
+    Some(format!("{}{key}", parts.join(" + ")))
 }
 
 /// How long a request id is remembered: until the end of the window it is
@@ -567,64 +828,113 @@ fn request_id_ttl_ms(app: &AppState, p: PolicyInfo) -> i64 {
     Window::containing(now, p.window_secs).ms_until_end(now).max(0) + REQUEST_ID_MARGIN_MS
 }
 
-fn local_fallback(app: &AppState, req: &AcquireRequest, p: PolicyInfo) -> Result<Admit> {
+/// The agent's own allowance while Redis cannot be used: a request on one
+/// quota only (a decision over several needs their shared state).
+fn local_fallback(app: &AppState, req: &Acquire, p: PolicyInfo) -> std::result::Result<Decided, Error> {
     let n = app.settings.local_fallback_per_agent;
+    let [w] = req.wants.as_slice() else {
+        return Err(Error::StoreUnavailable);
+    };
     if n == 0 {
         return Err(Error::StoreUnavailable);
     }
     let ws = Window::containing(app.allocator_now(), p.window_secs).start;
-    match app.local.try_admit(&req.tenant, &req.resource, ws, req.cost, n) {
-        Some(remaining) => {
-            Ok(Admit { source: "fallback".into(), window_start: ws, remaining, key_remaining: None })
-        }
+    match app.local.try_admit(&req.tenant, &w.resource, ws, w.cost, n) {
+        Some(remaining) => Ok(Decided {
+            parts: vec![Paid {
+                admit: Admit { source: "fallback".into(), window_start: ws, remaining, key_remaining: None },
+                shadow: None,
+            }],
+        }),
         None => Err(Error::StoreUnavailable),
     }
 }
 
+/// One spend run for the request on the quotas `active`: shared with the
+/// concurrent requests of the quota when it is one (see [`crate::batch`]),
+/// a run of its own when several.
 async fn spend_once(
     app: &AppState,
-    q: &Arc<Quota>,
-    p: PolicyInfo,
-    req: &AcquireRequest,
-    fallback: bool,
+    qs: &[Arc<Quota>],
+    ps: &[PolicyInfo],
+    req: &Acquire,
+    active: &[usize],
+    fallback: &[bool],
     count_demand: bool,
 ) -> batch::Answer {
-    let common = Common {
-        fallback,
-        window_secs: p.window_secs,
-        allowance: p.fallback_allowance,
-        rid_ttl_ms: request_id_ttl_ms(app, p),
-        per_key: p.per_key,
+    let common = |i: usize| Common {
+        legacy_until_ms: app.legacy.until_ms(),
+        fallback: fallback[i],
+        window_secs: ps[i].window_secs,
+        allowance: ps[i].fallback_allowance,
+        rid_ttl_ms: request_id_ttl_ms(app, ps[i]),
+        per_key: ps[i].per_key,
     };
     let rid = req.request_id.as_deref().map(Keys::request_id_suffix).unwrap_or_default();
-    let key = match (p.per_key, &req.key) {
-        (Some(_), Some(k)) => Keys::per_key_suffix(k),
+    let key = match (active.iter().any(|&i| ps[i].per_key.is_some()), &req.key) {
+        (true, Some(k)) => Keys::per_key_suffix(k),
         _ => String::new(),
     };
-    let ask = Ask { cost: req.cost, rid, count_demand, key };
+    let costs = active.iter().map(|&i| req.wants[i].cost).collect();
+    let ask = Ask { costs, rid, count_demand, key };
     let sent = Instant::now();
-    let run = {
-        let (app, q) = (app.clone(), q.clone());
-        move |common, asks: Vec<Ask>| {
+    let r = if let [i] = active {
+        let q = qs[*i].clone();
+        let run = {
             let (app, q) = (app.clone(), q.clone());
-            async move { spend_run(&app, &q, common, &asks).await }
+            move |common, asks: Vec<Ask>| {
+                let (app, q) = (app.clone(), q.clone());
+                async move { spend_run(&app, &[q], &[common], &asks).await }
+            }
+        };
+        batch::spend(&q.spends, app.settings.redis_timeout, common(*i), ask, run).await
+    } else {
+        let quotas: Vec<Arc<Quota>> = active.iter().map(|&i| qs[i].clone()).collect();
+        let commons: Vec<Common> = active.iter().map(|&i| common(i)).collect();
+        let bound = app.settings.redis_timeout;
+        match tokio::time::timeout(bound, spend_run(app, &quotas, &commons, std::slice::from_ref(&ask))).await
+        {
+            Ok(r) => batch::first(r),
+            Err(_) => Err(crate::store::StoreError::Timeout(bound)),
         }
     };
-    let r = batch::spend(&q.spends, app.settings.redis_timeout, common, ask, run).await;
     app.metrics.observe("agent_acquire_store_seconds", &[], sent.elapsed().as_secs_f64());
     r
 }
 
-/// One run of the spend script for `asks` on the quota, settled (the
-/// token adopted, a loss handled) before its answers go out.
-async fn spend_run(app: &AppState, q: &Quota, common: Common, asks: &[Ask]) -> batch::RunAnswer {
+/// One run of the spend script for `asks` on `quotas`, settled (each
+/// quota's token adopted, a loss handled) before its answers go out.
+async fn spend_run(
+    app: &AppState,
+    quotas: &[Arc<Quota>],
+    commons: &[Common],
+    asks: &[Ask],
+) -> batch::RunAnswer {
     app.metrics.inc("agent_spend_runs_total", &[]);
-    let token = q.token();
-    let on = On { prefix: &q.prefix, token: &token };
+    let tokens: Vec<String> = quotas.iter().map(|q| q.token()).collect();
+    let parts: Vec<Part> = quotas
+        .iter()
+        .zip(commons)
+        .zip(&tokens)
+        .map(|((q, c), t)| Part { on: On { prefix: &q.prefix, token: t }, common: *c })
+        .collect();
     let by = Caller { agent: &app.settings.agent, epoch: app.ident.epoch() };
-    let r = scripts::spend(&app.store, on, by, common, asks).await?;
-    q.settle(&r, &app.ident, &app.metrics);
-    Ok(r)
+    let r = scripts::spend(&app.store, by, &parts, asks).await?;
+    Ok(match r {
+        Outcome::Lost(l) => {
+            let o = Outcome::Lost(l.clone());
+            if let Some(q) = quotas.get(l.quota) {
+                q.settle(&o, &app.ident, &app.metrics);
+            }
+            o
+        }
+        Outcome::Ran { value, .. } => {
+            for (q, token) in quotas.iter().zip(&value.tokens) {
+                q.settle(&Outcome::Ran { token: token.clone(), value: () }, &app.ident, &app.metrics);
+            }
+            Outcome::Ran { token: value.tokens.first().cloned().unwrap_or_default(), value: value.decisions }
+        }
+    })
 }
 
 #[cfg(test)]

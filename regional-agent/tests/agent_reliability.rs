@@ -23,7 +23,7 @@ async fn redis_conn(url: &str) -> redis::aio::MultiplexedConnection {
 /// The agent's outbox list of one quota (the key layout of `keys.rs`,
 /// written out so a change of it is a visible test change).
 fn outbox_key(tenant: &str, resource: &str, agent: &str) -> String {
-    format!("q:{{{}:{tenant}/{}:{resource}}}:ob:{agent}", tenant.len(), resource.len())
+    format!("q:{{{}:{tenant}}}:{}:{resource}:ob:{agent}", tenant.len(), resource.len())
 }
 
 /// Entries in eu-1's outboxes of the first `n` quotas of `names`.

@@ -23,7 +23,7 @@ use futures::FutureExt;
 use quota_tests::redis::TestRedis;
 use regional_agent::client::TlsFiles;
 use regional_agent::keys::Keys;
-use regional_agent::scripts::{self, Ask, Caller, Common, On, Outcome, Spend};
+use regional_agent::scripts::{self, Ask, Caller, Common, On, Outcome, Part, Spend};
 use regional_agent::store::Store;
 use serde_json::json;
 use std::sync::Arc;
@@ -34,6 +34,9 @@ const RESOURCE: &str = "read";
 /// The same quota with a per-key bucket (issue 17): one bucket per client,
 /// sized so that it never refuses, so the figure is the bucket's cost.
 const RESOURCE_PER_KEY: &str = "read-per-key";
+/// A second quota of the tenant with a per-key bucket: the two-quota
+/// decision spends both and both buckets in one script run.
+const RESOURCE2_PER_KEY: &str = "write-per-key";
 /// Clients of the per-key comparison.
 pub const PER_KEY_CLIENTS: usize = 16;
 /// Large enough that no measurement can run the pool dry.
@@ -53,17 +56,22 @@ fn client() -> Result<reqwest::Client, String> {
 }
 
 fn acquire_op(client: reqwest::Client, base: &str) -> Op {
-    acquire_op_for(client, base, RESOURCE, false)
+    acquire_op_for(client, base, &[RESOURCE], false)
 }
 
-/// `POST /v1/acquire` on `resource`; with `per_key`, client `i` names the
+/// `POST /v1/acquire` on `resources` (one: the `resource` form; several:
+/// one decision over all of them); with `per_key`, client `i` names the
 /// key `user-<i>`.
-fn acquire_op_for(client: reqwest::Client, base: &str, resource: &str, per_key: bool) -> Op {
+fn acquire_op_for(client: reqwest::Client, base: &str, resources: &[&str], per_key: bool) -> Op {
     let url = format!("{base}/v1/acquire");
     let bodies: Arc<Vec<Vec<u8>>> = Arc::new(
         (0..if per_key { 64 } else { 1 })
             .map(|i| {
-                let mut b = json!({"tenant": TENANT, "resource": resource});
+                let mut b = match resources {
+                    [one] => json!({"tenant": TENANT, "resource": one}),
+                    many => json!({"tenant": TENANT, "resources":
+                        many.iter().map(|r| json!({"resource": r})).collect::<Vec<_>>()}),
+                };
                 if per_key {
                     b["key"] = json!(format!("user-{i}"));
                 }
@@ -128,6 +136,7 @@ fn spend_op(store: Store, a: SpendArgs) -> Op {
         let (store, a) = (store.clone(), a.clone());
         async move {
             let common = Common {
+                legacy_until_ms: 0,
                 fallback: false,
                 window_secs: WINDOW_SECS,
                 allowance: a.fallback,
@@ -135,15 +144,18 @@ fn spend_op(store: Store, a: SpendArgs) -> Op {
                 per_key: None,
             };
             // One request per run: the script as one client's decision costs.
-            let ask = Ask { cost: 1, rid: String::new(), count_demand: true, key: String::new() };
+            let ask = Ask { costs: vec![1], rid: String::new(), count_demand: true, key: String::new() };
             let on = On { prefix: &a.prefix, token: &a.token };
             let by = Caller { agent: &a.agent, epoch: a.epoch };
             // The store bounds the call by its timeout (CALL_TIMEOUT).
-            let r = scripts::spend(&store, on, by, common, &[ask])
+            let r = scripts::spend(&store, by, &[Part { on, common }], &[ask])
                 .await
                 .map_err(|e| format!("spend script: {e}"))?;
             match r {
-                Outcome::Ran { value, .. } if matches!(value.first(), Some(Spend::Admit(a)) if a.source == "lease") => {
+                Outcome::Ran { value, .. }
+                    if matches!(value.decisions.first(), Some(Spend::Admit(a))
+                        if a.first().is_some_and(|a| a.source == "lease")) =>
+                {
                     Ok(())
                 }
                 other => Err(format!("spend script answered {other:?}")),
@@ -165,18 +177,21 @@ pub async fn run(rig: &Rig, plan: &Plan, out: &mut Results, progress: &dyn Fn(&s
     .await?;
     // The largest rate and burst a policy takes: a bucket that never refuses.
     let max = quota_shared::wire::PerKey::MAX;
-    crate::pools::put_policy(
-        &rig.admin,
-        TENANT,
-        RESOURCE_PER_KEY,
-        &json!({"limit": LIMIT, "window_secs": WINDOW_SECS, "per_key": {"rate_per_sec": max, "burst": max}}),
-    )
-    .await?;
+    for r in [RESOURCE_PER_KEY, RESOURCE2_PER_KEY] {
+        crate::pools::put_policy(
+            &rig.admin,
+            TENANT,
+            r,
+            &json!({"limit": LIMIT, "window_secs": WINDOW_SECS, "per_key": {"rate_per_sec": max, "burst": max}}),
+        )
+        .await?;
+    }
     let agent = rig.agent(&redis).await;
     let http = client()?;
     // Warm: the agent learns the policies and credits a first lease.
-    let per_key_op = acquire_op_for(http.clone(), &agent.base, RESOURCE_PER_KEY, true);
-    for op in [acquire_op(http.clone(), &agent.base), per_key_op.clone()] {
+    let per_key_op = acquire_op_for(http.clone(), &agent.base, &[RESOURCE_PER_KEY], true);
+    let two_op = acquire_op_for(http.clone(), &agent.base, &[RESOURCE_PER_KEY, RESOURCE2_PER_KEY], true);
+    for op in [acquire_op(http.clone(), &agent.base), per_key_op.clone(), two_op.clone()] {
         let warm = closed_loop(4, Duration::from_millis(500), op).await?;
         if warm.ok == 0 {
             return Err(format!("agent never admitted during warm-up: {:?}", warm.first_error));
@@ -219,7 +234,7 @@ pub async fn run(rig: &Rig, plan: &Plan, out: &mut Results, progress: &dyn Fn(&s
         let (mut lua_s, mut floor_s, mut r_ceiling) = (Vec::new(), Vec::new(), Vec::new());
         let (mut lim_s, mut r_peer): (Vec<Sample>, Vec<f64>) = (Vec::new(), Vec::new());
         let mut stages: Vec<Stages> = Vec::new();
-        let mut per_key_s: Vec<Sample> = Vec::new();
+        let (mut per_key_s, mut two_s): (Vec<Sample>, Vec<Sample>) = (Vec::new(), Vec::new());
         for rep in 0..plan.reps {
             progress(&format!("acquire: {c} client(s), repetition {}/{}", rep + 1, plan.reps));
             let before = StageSums::read(&http, &agent.base).await?;
@@ -230,6 +245,7 @@ pub async fn run(rig: &Rig, plan: &Plan, out: &mut Results, progress: &dyn Fn(&s
             let f = closed_loop(c, plan.acquire, healthz_op(http.clone(), &agent.base)).await?;
             if c == PER_KEY_CLIENTS {
                 per_key_s.push(closed_loop(c, plan.acquire, per_key_op.clone()).await?);
+                two_s.push(closed_loop(c, plan.acquire, two_op.clone()).await?);
             }
             r_ceiling.push(a.per_s / l.per_s.max(f64::MIN_POSITIVE));
             if let Ok(p) = &peer {
@@ -264,13 +280,16 @@ pub async fn run(rig: &Rig, plan: &Plan, out: &mut Results, progress: &dyn Fn(&s
                 out.note(format!("acquire c{c}: {} {what} errors, first: {:?}", m.errors, m.first_error));
             }
         }
-        if !per_key_s.is_empty() {
-            let m = Medians::of(&per_key_s);
-            out.set(&k("per_key.decisions_per_s"), m.per_s);
-            out.set(&k("per_key.p50_ms"), m.p50_ms);
-            out.set(&k("per_key.p99_ms"), m.p99_ms);
+        for (what, samples) in [("per_key", &per_key_s), ("two_quotas_per_key", &two_s)] {
+            if samples.is_empty() {
+                continue;
+            }
+            let m = Medians::of(samples);
+            out.set(&k(&format!("{what}.decisions_per_s")), m.per_s);
+            out.set(&k(&format!("{what}.p50_ms")), m.p50_ms);
+            out.set(&k(&format!("{what}.p99_ms")), m.p99_ms);
             if m.errors > 0 {
-                out.note(format!("acquire c{c} per key: {} errors, first: {:?}", m.errors, m.first_error));
+                out.note(format!("acquire c{c} {what}: {} errors, first: {:?}", m.errors, m.first_error));
             }
         }
         if !lim_s.is_empty() {

@@ -108,10 +108,15 @@ pub fn markdown(plan: &Plan, m: &Machine, r: &Results, targets: &[TargetRow]) ->
         s,
         "\nWith a per-key bucket (issue 17: the same quota and one bucket per client, checked first in the \
          same script run), {c} clients: {} decisions/s, p50 {} ms, p99 {} ms (`acquire.c{c}.per_key.*`), \
+         and with two quotas of the tenant each with a per-key bucket in one atomic decision \
+         (`resources`, `acquire.c{c}.two_quotas_per_key.*`): {} decisions/s, p50 {} ms, p99 {} ms; \
          beside one quota alone {} decisions/s, p99 {} ms and the spend-script ceiling {}/s of the same run.",
         v(r, &k("per_key.decisions_per_s")),
         v(r, &k("per_key.p50_ms")),
         v(r, &k("per_key.p99_ms")),
+        v(r, &k("two_quotas_per_key.decisions_per_s")),
+        v(r, &k("two_quotas_per_key.p50_ms")),
+        v(r, &k("two_quotas_per_key.p99_ms")),
         v(r, &k("decisions_per_s")),
         v(r, &k("p99_ms")),
         v(r, &k("ceiling_per_s")),

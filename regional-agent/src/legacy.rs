@@ -1,0 +1,140 @@
+//! The rolling upgrade from the legacy key layout (one Redis Cluster slot
+//! per quota, `q:{<tenant>/<resource>}:`) to the tenant layout (one slot
+//! per tenant, `q:{<tenant>}:<resource>:`, see [`crate::keys`]).
+//!
+//! During an upgrade old and new agents share the region's Redis but not
+//! its keys. Leases are the allocator's and stay within the pool whoever
+//! holds them; what could break the bound (F34) is the region's fallback
+//! allowance, which each layout would count under its own keys, so a
+//! partitioned region could admit it twice in one window. So a new agent:
+//!
+//! * takes no fallback in a window that started before the region's
+//!   *legacy gate*: the last instant a legacy agent may have been alive
+//!   (its liveness key seen, plus that key's life), or the instant a new
+//!   agent found no other new agent present (the region's history since is
+//!   unknown, as when its Redis comes back empty: I6). The gate moves at
+//!   every heartbeat (`lua/legacy.lua`) and is sent to every spend run,
+//!   which compares it with the fallback window's start on the region's
+//!   one clock;
+//! * reports and releases what the old layout holds: it cuts the legacy
+//!   counters of its quotas into outboxes and sends them, retires expired
+//!   legacy leases (their unspent tokens go back), and adopts the outboxes
+//!   of gone agents under both layouts;
+//! * stops looking at a quota's legacy keys once they are empty and the
+//!   gate has passed.
+//!
+//! Not covered: starting an older agent in a region already upgraded
+//! (a downgrade) is seen at the next heartbeat of a new agent, not before;
+//! per-key buckets and request-id records start afresh in the new layout
+//! (a key may get up to one burst more in the region, a retry that crosses
+//! the upgrade may be decided again; both within the bound).
+
+use crate::keys::{Keys, Layout};
+use crate::store::Store;
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+/// The liveness value of an agent of the tenant layout (a legacy agent
+/// writes `1`).
+pub const LIVE_TENANT: &str = "2";
+/// The liveness value of an agent of the legacy layout.
+pub const LIVE_LEGACY: &str = "1";
+/// Most legacy agents looked at per heartbeat.
+const MAX_LOOKED_AT: usize = 64;
+
+/// This agent's view of the region's legacy gate.
+#[derive(Debug)]
+pub struct Gate {
+    /// Redis clock ms; no fallback in a window that started at or before
+    /// it. `i64::MAX` until the first heartbeat looked (no fallback).
+    until_ms: AtomicI64,
+    /// Whether the last look found a legacy agent alive.
+    legacy_live: AtomicBool,
+}
+
+impl Gate {
+    /// A gate that lets nothing through until the first look.
+    pub fn new(layout: Layout) -> Gate {
+        // Agents of the legacy layout do as legacy agents did: no gate.
+        let until = if layout == Layout::Legacy { 0 } else { i64::MAX };
+        Gate { until_ms: AtomicI64::new(until), legacy_live: AtomicBool::new(true) }
+    }
+
+    /// The gate sent to spend runs.
+    pub fn until_ms(&self) -> i64 {
+        self.until_ms.load(Ordering::Relaxed)
+    }
+
+    /// Whether no legacy agent can write any more (none alive, gate passed):
+    /// then a quota whose legacy keys are empty stays empty.
+    pub fn passed(&self) -> bool {
+        let now = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as i64).unwrap_or(0);
+        !self.legacy_live.load(Ordering::Relaxed) && self.until_ms() < now.saturating_sub(1000)
+    }
+}
+
+/// Whether any of the liveness values read is a legacy agent's (alive and
+/// not of the tenant layout).
+pub fn legacy_alive(values: &[Option<String>]) -> bool {
+    values.iter().flatten().any(|v| v != LIVE_TENANT)
+}
+
+/// One look at the region (at a heartbeat of a tenant-layout agent): are
+/// legacy agents alive, and where is the gate now.
+pub async fn look(store: &Store, keys: &Keys, region: &str, me: &str, live_ttl_ms: i64, gate: &Gate) {
+    if keys.layout() == Layout::Legacy {
+        return;
+    }
+    let set = keys.legacy_region_agents(region);
+    let Ok(agents) = store.cmd::<Vec<String>>(redis::cmd("SRANDMEMBER").arg(&set).arg(MAX_LOOKED_AT)).await
+    else {
+        return;
+    };
+    let mut values = Vec::with_capacity(agents.len());
+    for a in agents.iter().filter(|a| *a != me) {
+        // One GET per agent: their keys sit in different Cluster slots.
+        match store.cmd::<Option<String>>(redis::cmd("GET").arg(keys.agent_live(region, a))).await {
+            Ok(v) => values.push(v),
+            Err(_) => return,
+        }
+    }
+    let live = legacy_alive(&values);
+    let presence = keys.region_presence(region);
+    let until_key = keys.region_legacy_until(region);
+    match crate::scripts::legacy_gate(store, &presence, &until_key, live, live_ttl_ms).await {
+        Ok(until) => {
+            if live && !gate.legacy_live.load(Ordering::Relaxed) {
+                tracing::warn!(region, "an agent of the legacy key layout is alive in the region: no fallback allowance in the tenant layout until it is gone");
+            }
+            gate.legacy_live.store(live, Ordering::Relaxed);
+            gate.until_ms.store(until, Ordering::Relaxed);
+        }
+        Err(e) => tracing::debug!(error = %e, "legacy gate not refreshed"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_live_agent_of_the_legacy_layout_counts() {
+        let v = |s: &[Option<&str>]| s.iter().map(|o| o.map(str::to_string)).collect::<Vec<_>>();
+        assert!(!legacy_alive(&v(&[])));
+        assert!(!legacy_alive(&v(&[None, Some(LIVE_TENANT)])));
+        assert!(legacy_alive(&v(&[None, Some(LIVE_LEGACY)])));
+        // Any other value is an agent that does not say it is new.
+        assert!(legacy_alive(&v(&[Some("x")])));
+    }
+
+    #[test]
+    fn a_new_gate_admits_no_fallback_until_looked_and_the_legacy_layout_has_none() {
+        let g = Gate::new(Layout::Tenant);
+        assert_eq!(g.until_ms(), i64::MAX);
+        assert!(!g.passed());
+        assert_eq!(Gate::new(Layout::Legacy).until_ms(), 0);
+        g.legacy_live.store(false, Ordering::Relaxed);
+        g.until_ms.store(1, Ordering::Relaxed);
+        assert!(g.passed());
+    }
+}
