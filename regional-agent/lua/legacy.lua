@@ -13,15 +13,22 @@
 -- have lapsed, the gate moves forward: the tenant-layout agents take no
 -- fallback in a window that started before it. When no tenant-layout agent
 -- was present (first start, or all of them stopped a while), the region's
--- history since is unknown and counts as a legacy agent seen now.
+-- history until now is unknown: the gate moves to now (no legacy agent is
+-- alive now, or ARGV[1] would say so).
 --
 -- Returns the gate in force.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local live_ttl = tonumber(ARGV[2])
 local gate = tonumber(redis.call('GET', KEYS[2]) or '0')
-if ARGV[1] == '1' or redis.call('EXISTS', KEYS[1]) == 0 then
-  if now + live_ttl > gate then gate = now + live_ttl end
+local to = false
+if ARGV[1] == '1' then
+  to = now + live_ttl
+elseif redis.call('EXISTS', KEYS[1]) == 0 then
+  to = now
+end
+if to and to > gate then
+  gate = to
   redis.call('SET', KEYS[2], string.format('%d', gate), 'PX', ARGV[3])
 end
 redis.call('SET', KEYS[1], '1', 'PX', live_ttl)

@@ -11,8 +11,8 @@
 //! * takes no fallback in a window that started before the region's
 //!   *legacy gate*: the last instant a legacy agent may have been alive
 //!   (its liveness key seen, plus that key's life), or the instant a new
-//!   agent found no other new agent present (the region's history since is
-//!   unknown, as when its Redis comes back empty: I6). The gate moves at
+//!   agent found no other new agent present (the region's history until
+//!   then is unknown, as when its Redis comes back empty: I6). The gate moves at
 //!   every heartbeat (`lua/legacy.lua`) and is sent to every spend run,
 //!   which compares it with the fallback window's start on the region's
 //!   one clock;

@@ -256,7 +256,11 @@ pub(crate) async fn acquire(
             span.record("outcome", e.code());
             app.metrics.inc("agent_acquire_total", &[("outcome", e.code())]);
             app.metrics.observe("agent_acquire_seconds", &[], started.elapsed().as_secs_f64());
-            return e.into_response();
+            let mut resp = e.into_response();
+            // Every answer carries the headers; no policy is known here.
+            let now = app.clock.now_utc();
+            crate::headers::rate_limit_headers(resp.headers_mut(), "unknown", None, Some(0), None, now);
+            return resp;
         }
     };
     span.record("tenant", req.tenant.as_str());
@@ -307,19 +311,15 @@ pub(crate) async fn acquire(
                 Some(Shadow::PerKey) => None,
                 _ => Some(p.admit.remaining),
             };
-            (
-                outcome,
-                Some((top, remaining, p.admit.key_remaining)),
-                (StatusCode::OK, Json(body)).into_response(),
-            )
+            (outcome, (top, remaining, p.admit.key_remaining), (StatusCode::OK, Json(body)).into_response())
         }
         Err((e, at)) => {
             let shown = match (&e, at) {
                 // A key's refusal says nothing of the quota's balance: the
                 // headers then describe the key's bucket.
-                (Error::KeyLimited { remaining, .. }, Some(i)) => Some((i, None, Some(*remaining))),
-                (_, Some(i)) => Some((i, Some(0), None)),
-                (_, None) => (req.wants.len() == 1).then_some((0, Some(0), None)),
+                (Error::KeyLimited { remaining, .. }, Some(i)) => (i, None, Some(*remaining)),
+                (_, Some(i)) => (i, Some(0), None),
+                (_, None) => (0, Some(0), None),
             };
             let code = e.code();
             for i in 0..req.wants.len() {
@@ -331,18 +331,10 @@ pub(crate) async fn acquire(
         }
     };
     span.record("outcome", outcome);
-    if let Some((i, remaining, key_remaining)) = shown {
-        tracing::debug!(remaining, "acquire answered");
-        let policy = policies.get(i).copied();
-        crate::headers::rate_limit_headers(
-            resp.headers_mut(),
-            &name(i),
-            policy,
-            remaining,
-            key_remaining,
-            now,
-        );
-    }
+    let (i, remaining, key_remaining) = shown;
+    tracing::debug!(remaining, "acquire answered");
+    let policy = policies.get(i).copied();
+    crate::headers::rate_limit_headers(resp.headers_mut(), &name(i), policy, remaining, key_remaining, now);
     app.metrics.inc("agent_acquire_total", &[("outcome", outcome)]);
     app.metrics.observe("agent_acquire_seconds", &[], started.elapsed().as_secs_f64());
     resp

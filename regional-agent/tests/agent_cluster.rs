@@ -23,3 +23,12 @@ async fn cluster_two_replicas_and_64_clients_admit_exactly_the_tokens_granted() 
         .expect("redis-cli");
     assert_eq!(String::from_utf8_lossy(&single.stdout).trim(), "0", "the single Redis stays unused");
 }
+
+/// Several quotas of one tenant in one decision on a 3-master Cluster: the
+/// tenant's keys share a slot, so one script run decides both (a
+/// cross-slot run would fail every request).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_two_quotas_are_debited_together_or_not_at_all() {
+    let w = World::start_cluster().await;
+    common::multi_quota_all_or_nothing(&w).await;
+}

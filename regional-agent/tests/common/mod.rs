@@ -215,3 +215,61 @@ pub async fn i5_two_replicas_64_clients(w: &World) {
     assert_eq!(tally.admitted(), net, "200s must equal tokens granted: {tally:?}");
     w.wait_accounting("atlas", "write", &tally.by_window).await;
 }
+
+/// Several quotas in one decision under concurrency: two replicas of `eu`,
+/// 16 clients asking for one `catalog` token and one `search` token at a
+/// time, until `search` (40 tokens, strict) is exhausted while `catalog`
+/// (1,000) is not. No answer may debit one quota without the other: the
+/// allocator counts exactly the 200s on both, and the refusals name
+/// `search` and debit nothing (the `catalog` count would drift above
+/// `search`'s).
+pub async fn multi_quota_all_or_nothing(w: &World) {
+    w.policy("atlas", "catalog", json!({"limit": 1000, "window_secs": 3600, "fail_mode": "strict"})).await;
+    w.policy(
+        "atlas",
+        "search",
+        json!({"limit": 40, "window_secs": 3600, "fail_mode": "strict", "chunk_max": 7}),
+    )
+    .await;
+    let a = w.agent("eu", "eu-1", None, &[]).await;
+    let b = w.agent("eu", "eu-2", None, &[]).await;
+    let body = json!({"tenant": "atlas", "resources": [{"resource": "catalog"}, {"resource": "search"}]});
+    let mut tasks = Vec::new();
+    for i in 0..16 {
+        let http = if i % 2 == 0 { a.http.clone() } else { b.http.clone() };
+        let body = body.clone();
+        tasks.push(tokio::spawn(async move {
+            let (mut catalog, mut search) = (Tally::default(), Tally::default());
+            let mut refused = 0;
+            while refused < 3 {
+                let r = http.post("/v1/acquire", &body).await;
+                if r.status == 200 {
+                    refused = 0;
+                    let results = r.body["results"].as_array().cloned().unwrap_or_default();
+                    assert_eq!(results.len(), 2, "{}", r.body);
+                    for (t, p) in [(&mut catalog, &results[0]), (&mut search, &results[1])] {
+                        let ws = norm(p["window_start"].as_str().unwrap_or_default());
+                        t.by_window.entry(ws).or_default().0 += 1;
+                    }
+                } else {
+                    assert_eq!((r.status, r.error()), (429, "quota_exhausted"), "{}", r.body);
+                    assert_eq!(r.body["limit"], json!("search"), "{}", r.body);
+                    assert_eq!(r.body["resource"], json!("search"), "{}", r.body);
+                    refused += 1;
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            }
+            (catalog, search)
+        }));
+    }
+    let (mut catalog, mut search) = (Tally::default(), Tally::default());
+    for t in tasks {
+        let (c, s) = t.await.unwrap();
+        catalog.merge(&c);
+        search.merge(&s);
+    }
+    assert_eq!(search.admitted(), 40, "search's pool admits exactly its limit: {search:?}");
+    assert_eq!(catalog.by_window, search.by_window);
+    w.wait_accounting("atlas", "catalog", &catalog.by_window).await;
+    w.wait_accounting("atlas", "search", &search.by_window).await;
+}
