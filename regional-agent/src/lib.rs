@@ -20,7 +20,10 @@
 //!   `App`'s task list. This root module wires them: the router, the
 //!   tasks, start-up and shutdown.
 //! * [`keys`]: the one audited key function (hash-tagged, length-prefixed):
-//!   every Redis key name the Rust side uses, and the keys' TTL.
+//!   every Redis key name the Rust side uses, and the keys' TTL; a
+//!   tenant's keys share one Cluster slot.
+//! * [`legacy`]: the rolling upgrade from the per-quota key layout (the
+//!   legacy gate on the fallback allowance, F34).
 //! * [`scripts`]: the agent's Redis contract, the only place that knows each
 //!   Lua script of `lua/*.lua` (KEYS and ARGV order, reply shape): typed
 //!   calls `spend`, `view`, `credit`, `cut`, `fence`, `unlock`, each a span;
@@ -86,13 +89,22 @@
 //!   traffic. A request without `key` on such a quota is 422 (a gateway
 //!   that forgets the user cannot bypass the cap); the local store
 //!   fallback does not check them.
+//! * **Several quotas in one decision.** `resources: [{resource, cost?}]`
+//!   names up to 8 quotas of one tenant; one run of the spend script
+//!   checks every named quota's per-key bucket, then every quota's balance
+//!   or fallback, and debits all of them or none (F08, F18). The answer
+//!   lists each quota; a refusal names the one that refused. Single-quota
+//!   requests still share runs with their quota's concurrent requests
+//!   ([`batch`]); a multi-quota request has a run of its own.
 //! * **Shadow mode.** A policy with `enforce: false` makes every decision
 //!   as an enforced one; a `429` it would answer becomes a `200` with
 //!   `source: "shadow"`, `shadow_refused: true` and the `limit`, debiting
 //!   nothing. `lua/shadow.lua` counts it per window for the outbox, whose
 //!   reports carry `shadow_refused` (only when non-zero, so an allocator
 //!   before shadow mode accepts every other report, and report entries
-//!   keep the three-number form an older agent reads).
+//!   keep the three-number form an older agent reads). In a multi-quota
+//!   request, a shadow-mode quota that would refuse is left out of the
+//!   decision and the others decided again.
 //! * **Registry bounds.** Quotas idle for 5 minutes with an empty outbox
 //!   and no live lease leave the registry and the agent's quota set; there
 //!   is no fixed cap on known quotas (`agent_quotas` shows how many are

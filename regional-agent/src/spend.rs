@@ -305,13 +305,24 @@ pub(crate) async fn acquire(
             for (i, p) in d.parts.iter().enumerate() {
                 count(&app, &name(i), policies.get(i).copied(), p.outcome());
             }
-            let p = &d.parts[top];
-            // As for a refusal: a key's says nothing of the quota's balance.
-            let remaining = match p.shadow {
-                Some(Shadow::PerKey) => None,
-                _ => Some(p.admit.remaining),
+            // The headers: of every quota's limits (its pool, its key's
+            // bucket), the one with the fewest units left.
+            let shown = |i: usize| {
+                let p = &d.parts[i];
+                // As for a refusal: a key's says nothing of the quota's balance.
+                let remaining = match p.shadow {
+                    Some(Shadow::PerKey) => None,
+                    _ => Some(p.admit.remaining),
+                };
+                (i, remaining, p.admit.key_remaining)
             };
-            (outcome, (top, remaining, p.admit.key_remaining), (StatusCode::OK, Json(body)).into_response())
+            let tightest = (0..d.parts.len())
+                .min_by_key(|&i| {
+                    let (_, r, k) = shown(i);
+                    crate::headers::header_limit(&name(i), policies.get(i).copied(), r, k, now).r
+                })
+                .unwrap_or(top);
+            (outcome, shown(tightest), (StatusCode::OK, Json(body)).into_response())
         }
         Err((e, at)) => {
             let shown = match (&e, at) {

@@ -3,37 +3,10 @@
 
 mod common;
 
-use common::{acquire, Tally, World};
+use common::{acquire, hammer, next_window, Tally, World};
 use quota_tests::proxy::{Fault, FaultProxy};
 use serde_json::json;
 use std::time::Duration;
-
-/// Waits for the start of the next `secs`-second UTC window.
-async fn next_window(secs: i64) {
-    let now = chrono::Utc::now().timestamp();
-    let next = (now / secs + 1) * secs;
-    quota_tests::wait::until_utc(chrono::DateTime::from_timestamp(next, 0).unwrap()).await;
-}
-
-/// Hammers until `stop` answers are seen in a row or `max` requests.
-async fn hammer(http: &quota_tests::http::Http, resource: &str, stop: (u16, &str), max: usize) -> Tally {
-    let mut t = Tally::default();
-    let mut streak = 0;
-    for _ in 0..max {
-        let r = acquire(http, "atlas", resource).await;
-        t.add(&r);
-        if (r.status, r.error()) == stop {
-            assert!(r.header("retry-after").is_some(), "{}", r.body);
-            streak += 1;
-            if streak >= 3 {
-                break;
-            }
-        } else {
-            streak = 0;
-        }
-    }
-    t
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bounded_partition_admits_at_most_the_fallback_allowance_and_heals_exactly() {

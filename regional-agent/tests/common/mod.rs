@@ -273,3 +273,30 @@ pub async fn multi_quota_all_or_nothing(w: &World) {
     w.wait_accounting("atlas", "catalog", &catalog.by_window).await;
     w.wait_accounting("atlas", "search", &search.by_window).await;
 }
+
+/// Waits for the start of the next `secs`-second UTC window.
+pub async fn next_window(secs: i64) {
+    let now = chrono::Utc::now().timestamp();
+    let next = (now / secs + 1) * secs;
+    quota_tests::wait::until_utc(chrono::DateTime::from_timestamp(next, 0).unwrap()).await;
+}
+
+/// Hammers until `stop` answers are seen in a row or `max` requests.
+pub async fn hammer(http: &quota_tests::http::Http, resource: &str, stop: (u16, &str), max: usize) -> Tally {
+    let mut t = Tally::default();
+    let mut streak = 0;
+    for _ in 0..max {
+        let r = acquire(http, "atlas", resource).await;
+        t.add(&r);
+        if (r.status, r.error()) == stop {
+            assert!(r.header("retry-after").is_some(), "{}", r.body);
+            streak += 1;
+            if streak >= 3 {
+                break;
+            }
+        } else {
+            streak = 0;
+        }
+    }
+    t
+}
