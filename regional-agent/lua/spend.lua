@@ -10,14 +10,19 @@
 --          that started (server clock, ms) at or before this instant, when
 --          an agent of the legacy key layout may have used its own
 --          counter for it (F34); 0 for none
--- ARGV[6]  m, the number of quotas, then eight arguments per quota:
+-- ARGV[6]  m, the number of quotas, then ten arguments per quota:
 --   P, the quota prefix from keys.rs; incarnation token the agent knows
 --   ('' / '?' on first touch); fresh token to install when the
 --   incarnation key is missing; '1' when fallback may be used (allocator
 --   unreachable, bounded); window length W (s), the fallback window taken
 --   from the region's one clock (fallback_window in the prelude);
 --   fallback allowance per window; per-key bucket refill rate in
---   milli-tokens per second ('0': no per-key limit); bucket size (tokens)
+--   milli-tokens per second ('0': no per-key limit); bucket size (tokens);
+--   the window start the legacy layout's fallback count below is for
+--   ('-1': none), and that count: a legacy agent's admits from the
+--   allowance, under keys of another slot, frozen since none is alive
+--   (the legacy gate covers the time one is); added to this layout's in
+--   that window, and no fallback in another window (a clock at a boundary)
 -- then 3 + m arguments per request:
 --   request id key suffix ('' when the request carries none); '1' when the
 --   request counts toward demand (a request that waits for a renewal and
@@ -68,11 +73,12 @@ local m = tonumber(ARGV[6])
 
 local Q, tokens = {}, {}
 for i = 1, m do
-  local b = 7 + (i - 1) * 8
+  local b = 7 + (i - 1) * 10
   local q = {
     P = ARGV[b], fallback = ARGV[b + 3] == '1', W = tonumber(ARGV[b + 4]),
     allowance = tonumber(ARGV[b + 5]), rate = tonumber(ARGV[b + 6]),
     cap = tonumber(ARGV[b + 7]) * MICRO,
+    legacy_ws = tonumber(ARGV[b + 8]), legacy_used = tonumber(ARGV[b + 9]),
   }
   local token, lost = incarnation(q.P, ARGV[b + 1], ARGV[b + 2], q.W, q.allowance, agent, epoch)
   if lost > 0 then
@@ -137,6 +143,13 @@ local function payable(q, cost)
     q.fws, q.fb_end, start_srv = fallback_window(q.P, q.W)
     q.fb_open = start_srv > legacy_until
     q.fb_used = tonumber(redis.call('GET', q.P .. 'fb:' .. q.fws) or '0')
+    if q.legacy_ws >= 0 then
+      if tonumber(q.fws) == q.legacy_ws then
+        q.fb_used = q.fb_used + q.legacy_used
+      else
+        q.fb_open = false
+      end
+    end
   end
   if q.fb_open and q.fb_used + cost <= q.allowance then return 'fallback' end
   return false
@@ -163,7 +176,7 @@ local function pay(q, cost, how)
 end
 
 local out = {'ok', tokens}
-local first_ask = 7 + 8 * m
+local first_ask = 7 + 10 * m
 for at = first_ask, #ARGV - (2 + m), 3 + m do
   local rid, counts, key = ARGV[at], ARGV[at + 1] == '1', ARGV[at + 2]
   local costs, named = {}, {}

@@ -133,12 +133,6 @@ impl Keys {
         }
     }
 
-    /// Exists while an agent of the tenant layout heartbeats in the region
-    /// (a lapse means the region's history since is unknown).
-    pub fn region_presence(&self, region: &str) -> String {
-        format!("{}r:{{{}}}:present:2", self.ns, lp(region))
-    }
-
     /// Until when (Redis clock, ms) a legacy agent may have admitted from
     /// the fallback allowance in the region (see `crate::legacy`).
     pub fn region_legacy_until(&self, region: &str) -> String {

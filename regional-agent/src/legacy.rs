@@ -10,12 +10,13 @@
 //!
 //! * takes no fallback in a window that started before the region's
 //!   *legacy gate*: the last instant a legacy agent may have been alive
-//!   (its liveness key seen, plus that key's life), or the instant a new
-//!   agent found no other new agent present (the region's history until
-//!   then is unknown, as when its Redis comes back empty: I6). The gate moves at
-//!   every heartbeat (`lua/legacy.lua`) and is sent to every spend run,
-//!   which compares it with the fallback window's start on the region's
-//!   one clock;
+//!   (its liveness key seen, plus that key's life). The gate moves at every
+//!   heartbeat that sees one (`lua/legacy.lua`) and is sent to every spend
+//!   run, which compares it with the fallback window's start on the
+//!   region's one clock;
+//! * once no legacy agent is alive, adds what the legacy layout's fallback
+//!   counter of the window holds (frozen now: nobody writes it) to its own,
+//!   read before the spend run on the fallback path only;
 //! * reports and releases what the old layout holds: it cuts the legacy
 //!   counters of its quotas into outboxes and sends them, retires expired
 //!   legacy leases (their unspent tokens go back), and adopts the outboxes
@@ -53,7 +54,7 @@ pub struct Gate {
 }
 
 impl Gate {
-    /// A gate that lets nothing through until the first look.
+    /// A gate that lets no fallback through until the first look.
     pub fn new(layout: Layout) -> Gate {
         // Agents of the legacy layout do as legacy agents did: no gate.
         let until = if layout == Layout::Legacy { 0 } else { i64::MAX };
@@ -65,11 +66,14 @@ impl Gate {
         self.until_ms.load(Ordering::Relaxed)
     }
 
-    /// Whether no legacy agent can write any more (none alive, gate passed):
-    /// then a quota whose legacy keys are empty stays empty.
-    pub fn passed(&self) -> bool {
+    /// Whether no legacy agent has written for `window_secs` and a second
+    /// (none alive, gate passed that long ago): then a quota of that
+    /// window length whose legacy keys are empty stays empty, and no
+    /// legacy fallback counter of an open window holds anything.
+    pub fn passed(&self, window_secs: i64) -> bool {
         let now = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as i64).unwrap_or(0);
-        !self.legacy_live.load(Ordering::Relaxed) && self.until_ms() < now.saturating_sub(1000)
+        let since = window_secs.saturating_mul(1000).saturating_add(1000);
+        !self.legacy_live.load(Ordering::Relaxed) && self.until_ms() < now.saturating_sub(since)
     }
 }
 
@@ -99,9 +103,8 @@ pub async fn look(store: &Store, keys: &Keys, region: &str, me: &str, live_ttl_m
         }
     }
     let live = legacy_alive(&values);
-    let presence = keys.region_presence(region);
     let until_key = keys.region_legacy_until(region);
-    match crate::scripts::legacy_gate(store, &presence, &until_key, live, live_ttl_ms).await {
+    match crate::scripts::legacy_gate(store, &until_key, live, live_ttl_ms).await {
         Ok(until) => {
             if live && !gate.legacy_live.load(Ordering::Relaxed) {
                 tracing::warn!(region, "an agent of the legacy key layout is alive in the region: no fallback allowance in the tenant layout until it is gone");
@@ -110,6 +113,25 @@ pub async fn look(store: &Store, keys: &Keys, region: &str, me: &str, live_ttl_m
             gate.until_ms.store(until, Ordering::Relaxed);
         }
         Err(e) => tracing::debug!(error = %e, "legacy gate not refreshed"),
+    }
+}
+
+/// What the legacy layout's fallback counter of quota `(tenant, resource)`
+/// holds for the window starting at `window_start`, for a spend run that
+/// may take fallback (see `lua/spend.lua`); unreadable counts as all of
+/// `allowance` used (the safe side).
+pub async fn legacy_fallback(
+    store: &Store,
+    keys: &Keys,
+    tenant: &str,
+    resource: &str,
+    window_start: i64,
+    allowance: i64,
+) -> (i64, i64) {
+    let key = format!("{}fb:{window_start}", keys.legacy_quota(tenant, resource));
+    match store.cmd::<Option<i64>>(redis::cmd("GET").arg(key)).await {
+        Ok(used) => (window_start, used.unwrap_or(0)),
+        Err(_) => (window_start, allowance),
     }
 }
 
@@ -131,10 +153,13 @@ mod tests {
     fn a_new_gate_admits_no_fallback_until_looked_and_the_legacy_layout_has_none() {
         let g = Gate::new(Layout::Tenant);
         assert_eq!(g.until_ms(), i64::MAX);
-        assert!(!g.passed());
+        assert!(!g.passed(1));
         assert_eq!(Gate::new(Layout::Legacy).until_ms(), 0);
         g.legacy_live.store(false, Ordering::Relaxed);
         g.until_ms.store(1, Ordering::Relaxed);
-        assert!(g.passed());
+        assert!(g.passed(60));
+        // A legacy agent seen alive holds the gate, whatever its value.
+        g.legacy_live.store(true, Ordering::Relaxed);
+        assert!(!g.passed(60));
     }
 }

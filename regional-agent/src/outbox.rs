@@ -366,7 +366,8 @@ async fn sweep_legacy(app: &OutboxParts, ob: &Outboxes, q: &Quota, me: &Sender) 
         scripts::view(&app.store, on, by, args).await?;
     }
     let left = drain_list(app, ob, &prefix, &q.tenant, &q.resource, me, true).await?;
-    if live == 0 && left == 0 && app.legacy.passed() {
+    let window_secs = q.policy().map_or(i64::MAX / 2000, |p| p.window_secs);
+    if live == 0 && left == 0 && app.legacy.passed(window_secs) {
         q.legacy_done.store(true, Ordering::Relaxed);
         tracing::debug!(tenant = %q.tenant, resource = %q.resource, "the quota's legacy keys are empty");
     }

@@ -131,6 +131,10 @@ pub struct Common {
     pub rid_ttl_ms: i64,
     /// The policy's per-key bucket, if it has one.
     pub per_key: Option<Bucket>,
+    /// What the legacy key layout's fallback counter holds for one window
+    /// (`(window start, used)`), added to this layout's in that window;
+    /// `None` when the legacy layout has nothing to add (see `crate::legacy`).
+    pub legacy_fallback: Option<(i64, i64)>,
 }
 
 /// A per-key token bucket as the spend script takes it.
@@ -243,6 +247,10 @@ fn spend_invocation(by: Caller<'_>, quotas: &[Part<'_>], asks: &[Ask]) -> Script
         match c.per_key {
             Some(b) => inv.arg(b.rate_milli).arg(b.burst),
             None => inv.arg(0).arg(0),
+        };
+        match c.legacy_fallback {
+            Some((ws, used)) => inv.arg(ws).arg(used),
+            None => inv.arg(-1).arg(0),
         };
     }
     for a in asks {
@@ -521,19 +529,17 @@ pub async fn shadow(store: &Store, prefix: &str, window_start: i64) -> Result<()
     store.eval::<i64>(&inv).await.map(|_| ())
 }
 
-/// The legacy gate script: marks this agent's layout present in the region
-/// and moves the gate forward when `legacy_live` (or when no agent of the
-/// tenant layout was present). Returns the gate (Redis clock, ms).
+/// The legacy gate script: moves the region's gate forward when
+/// `legacy_live`. Returns the gate (Redis clock, ms; 0 for none).
 #[tracing::instrument(level = "debug", skip_all, fields(legacy_live))]
 pub async fn legacy_gate(
     store: &Store,
-    presence: &str,
     gate: &str,
     legacy_live: bool,
     live_ttl_ms: i64,
 ) -> Result<i64, StoreError> {
     let mut inv = LEGACY.prepare_invoke();
-    inv.key(presence).key(gate).arg(flag(legacy_live)).arg(live_ttl_ms).arg(COUNTER_TTL_MS);
+    inv.key(gate).arg(flag(legacy_live)).arg(live_ttl_ms).arg(COUNTER_TTL_MS);
     store.eval(&inv).await
 }
 
@@ -594,7 +600,7 @@ mod tests {
     }
 
     #[test]
-    fn spend_invocation_sends_a_key_per_quota_six_arguments_eight_per_quota_then_three_plus_one_per_quota_per_ask(
+    fn spend_invocation_sends_a_key_per_quota_six_arguments_ten_per_quota_then_three_plus_one_per_quota_per_ask(
     ) {
         let per_key = Some(Bucket { rate_milli: 8000, burst: 8 });
         let common = Common {
@@ -604,6 +610,7 @@ mod tests {
             allowance: 7,
             rid_ttl_ms: 1234,
             per_key,
+            legacy_fallback: Some((60, 2)),
         };
         let asks = [
             Ask { costs: vec![3, 1], rid: "3:r-1".into(), count_demand: true, key: "5:alice".into() },
@@ -616,7 +623,7 @@ mod tests {
         let inv = spend_invocation(Caller { agent: "eu-1", epoch: 9 }, &quotas, &asks);
         // (the arguments themselves are not shown by the redis crate)
         let shown = format!("{inv:?}");
-        assert!(shown.contains("args: 32") && shown.contains("keys: 2"), "{shown}");
+        assert!(shown.contains("args: 36") && shown.contains("keys: 2"), "{shown}");
     }
 
     #[test]

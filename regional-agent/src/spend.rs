@@ -25,6 +25,7 @@ use quota_shared::window::Window;
 use quota_shared::wire::FailMode;
 use serde::Deserialize;
 use serde_json::json;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tracing::field::Empty;
@@ -865,6 +866,20 @@ async fn spend_once(
     fallback: &[bool],
     count_demand: bool,
 ) -> batch::Answer {
+    // On the fallback path, the legacy key layout's count of the window
+    // joins this layout's (see `crate::legacy`).
+    let mut legacy = vec![None; qs.len()];
+    for &i in active {
+        let q = &qs[i];
+        if fallback[i] && app.keys.layout() == Layout::Tenant && !q.legacy_done.load(Ordering::Relaxed) {
+            let ws = Window::containing(app.allocator_now(), ps[i].window_secs).start;
+            let allowance = ps[i].fallback_allowance;
+            legacy[i] = Some(
+                crate::legacy::legacy_fallback(&app.store, &app.keys, &q.tenant, &q.resource, ws, allowance)
+                    .await,
+            );
+        }
+    }
     let common = |i: usize| Common {
         legacy_until_ms: app.legacy.until_ms(),
         fallback: fallback[i],
@@ -872,6 +887,7 @@ async fn spend_once(
         allowance: ps[i].fallback_allowance,
         rid_ttl_ms: request_id_ttl_ms(app, ps[i]),
         per_key: ps[i].per_key,
+        legacy_fallback: legacy[i],
     };
     let rid = req.request_id.as_deref().map(Keys::request_id_suffix).unwrap_or_default();
     let key = match (active.iter().any(|&i| ps[i].per_key.is_some()), &req.key) {

@@ -142,6 +142,7 @@ fn spend_op(store: Store, a: SpendArgs) -> Op {
                 allowance: a.fallback,
                 rid_ttl_ms: WINDOW_SECS * 1000,
                 per_key: None,
+                legacy_fallback: None,
             };
             // One request per run: the script as one client's decision costs.
             let ask = Ask { costs: vec![1], rid: String::new(), count_demand: true, key: String::new() };
