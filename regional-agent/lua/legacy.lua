@@ -11,9 +11,9 @@
 -- which a tenant-layout agent cannot read in the same script (another
 -- Cluster slot) and which keep changing while it runs. So while one may be
 -- alive, and until its liveness would have lapsed, the gate moves forward:
--- the tenant-layout agents take no fallback in a window that started
--- before it. Once no legacy agent is alive its counters no longer change,
--- and the spend script adds them to the tenant layout's (see spend.lua).
+-- the tenant-layout agents take no fallback before it. Once no legacy
+-- agent is alive its counters no longer change, and the spend script adds
+-- the window's to the tenant layout's (see spend.lua).
 --
 -- Returns the gate in force (0: none).
 local gate = tonumber(redis.call('GET', KEYS[1]) or '0')

@@ -103,8 +103,8 @@ end
 -- never an agent's own wall clock, so replicas whose clocks differ share
 -- one fallback counter per real window. Without a measured offset the
 -- server's clock alone is used (still one clock for all replicas).
--- Returns the window start (allocator s, text), ms to its end, and its
--- start on the server's clock (ms).
+-- Returns the window start (allocator s, text), ms to its end, and the
+-- server's clock (ms).
 local function fallback_window(P, W)
   local t = redis.call('TIME')
   local srv_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -112,7 +112,7 @@ local function fallback_window(P, W)
   local now_s = math.floor(now_ms / 1000)
   local ws = now_s - (now_s % W)
   local to_end = (ws + W) * 1000 - now_ms
-  return string.format('%d', ws), to_end, srv_ms - (W * 1000 - to_end)
+  return string.format('%d', ws), to_end, srv_ms
 end
 
 -- Marks the open fallback window's allowance as spent (the counter of a

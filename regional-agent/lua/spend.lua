@@ -6,10 +6,9 @@
 --          one tenant's quotas share it, see keys.rs)
 -- ARGV[1]  request id ttl (ms), ARGV[2] ttl of counters (ms)
 -- ARGV[3]  agent id, ARGV[4] agent epoch (0 when not registered yet)
--- ARGV[5]  legacy gate: the region's fallback may not be used in a window
---          that started (server clock, ms) at or before this instant, when
---          an agent of the legacy key layout may have used its own
---          counter for it (F34); 0 for none
+-- ARGV[5]  legacy gate: the region's fallback may not be used until this
+--          instant (server clock, ms): an agent of the legacy key layout
+--          may be using its own counter until then (F34); 0 for none
 -- ARGV[6]  m, the number of quotas, then ten arguments per quota:
 --   P, the quota prefix from keys.rs; incarnation token the agent knows
 --   ('' / '?' on first touch); fresh token to install when the
@@ -139,9 +138,9 @@ local function payable(q, cost)
   if q.ws and q.avail >= cost then return 'lease' end
   if not q.fallback then return false end
   if not q.fws then
-    local start_srv
-    q.fws, q.fb_end, start_srv = fallback_window(q.P, q.W)
-    q.fb_open = start_srv > legacy_until
+    local now_srv
+    q.fws, q.fb_end, now_srv = fallback_window(q.P, q.W)
+    q.fb_open = now_srv > legacy_until
     q.fb_used = tonumber(redis.call('GET', q.P .. 'fb:' .. q.fws) or '0')
     if q.legacy_ws >= 0 then
       if tonumber(q.fws) == q.legacy_ws then

@@ -8,15 +8,16 @@
 //! allowance, which each layout would count under its own keys, so a
 //! partitioned region could admit it twice in one window. So a new agent:
 //!
-//! * takes no fallback in a window that started before the region's
-//!   *legacy gate*: the last instant a legacy agent may have been alive
-//!   (its liveness key seen, plus that key's life). The gate moves at every
-//!   heartbeat that sees one (`lua/legacy.lua`) and is sent to every spend
-//!   run, which compares it with the fallback window's start on the
-//!   region's one clock;
-//! * once no legacy agent is alive, adds what the legacy layout's fallback
-//!   counter of the window holds (frozen now: nobody writes it) to its own,
-//!   read before the spend run on the fallback path only;
+//! * takes no fallback before the region's *legacy gate*: the last
+//!   instant a legacy agent may have been alive (its liveness key seen,
+//!   plus that key's life). The gate moves at every heartbeat that sees one
+//!   (`lua/legacy.lua`) and is sent to every spend run, which compares it
+//!   with the region's one clock (Redis `TIME`);
+//! * after the gate, adds what the legacy layout's fallback counter of the
+//!   window holds (frozen: nobody writes it any more) to its own, read just
+//!   before the spend run, on the fallback path only. The gate is sent
+//!   [`READ_SLACK_MS`] later than it is, so a count read up to that long
+//!   before the run (a run queued behind another) was read after it;
 //! * reports and releases what the old layout holds: it cuts the legacy
 //!   counters of its quotas into outboxes and sends them, retires expired
 //!   legacy leases (their unspent tokens go back), and adopts the outboxes
@@ -40,6 +41,10 @@ use std::time::{SystemTime, UNIX_EPOCH};
 pub const LIVE_TENANT: &str = "2";
 /// The liveness value of an agent of the legacy layout.
 pub const LIVE_LEGACY: &str = "1";
+/// How much later than it is the gate is sent to spend runs: longer than a
+/// spend run waits in its quota's queue (two Redis timeouts) after the
+/// legacy count it carries was read.
+pub const READ_SLACK_MS: i64 = 5_000;
 /// Most legacy agents looked at per heartbeat.
 const MAX_LOOKED_AT: usize = 64;
 
@@ -61,9 +66,17 @@ impl Gate {
         Gate { until_ms: AtomicI64::new(until), legacy_live: AtomicBool::new(true) }
     }
 
-    /// The gate sent to spend runs.
+    /// The gate (Redis clock, ms).
     pub fn until_ms(&self) -> i64 {
         self.until_ms.load(Ordering::Relaxed)
+    }
+
+    /// The gate as sent to spend runs (see [`READ_SLACK_MS`]).
+    pub fn for_spend_ms(&self) -> i64 {
+        match self.until_ms() {
+            0 => 0,
+            t => t.saturating_add(READ_SLACK_MS),
+        }
     }
 
     /// Whether no legacy agent has written for `window_secs` and a second

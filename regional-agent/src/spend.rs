@@ -881,7 +881,7 @@ async fn spend_once(
         }
     }
     let common = |i: usize| Common {
-        legacy_until_ms: app.legacy.until_ms(),
+        legacy_until_ms: app.legacy.for_spend_ms(),
         fallback: fallback[i],
         window_secs: ps[i].window_secs,
         allowance: ps[i].fallback_allowance,
