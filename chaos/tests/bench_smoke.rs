@@ -5,7 +5,7 @@
 use std::process::Command;
 
 /// Keys that must be measured and positive.
-const POSITIVE: [&str; 18] = [
+const POSITIVE: [&str; 20] = [
     "acquire.c1.decisions_per_s",
     // A per-key bucket beside the quota alone, same run (issue 17).
     "acquire.c16.per_key.decisions_per_s",
@@ -13,6 +13,9 @@ const POSITIVE: [&str; 18] = [
     // Two quotas with per-key buckets in one decision (issue 17).
     "acquire.c16.two_quotas_per_key.decisions_per_s",
     "acquire.c16.two_quotas_per_key.p99_ms",
+    // Envoy's rate limit service beside HTTP acquire, same run (issue 18).
+    "rls.c16.decisions_per_s",
+    "rls.c16.p99_ms",
     // TLS beside plain, same run (issue 16).
     "acquire.c16.redis_plain.decisions_per_s",
     "acquire.c16.redis_tls.decisions_per_s",

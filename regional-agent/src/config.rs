@@ -65,6 +65,24 @@ pub struct Config {
     #[arg(long, env = "AGENT_KEY_LAYOUT", value_enum, default_value_t = KeyLayout::Tenant)]
     pub key_layout: KeyLayout,
 
+    /// Address to serve Envoy's rate limit service (gRPC RLS v3) and the
+    /// gRPC health service on; off when not given.
+    #[arg(long, env = "AGENT_GRPC_LISTEN")]
+    pub grpc_listen: Option<SocketAddr>,
+
+    /// The descriptor entry key that names the quota (RLS).
+    #[arg(long, env = "AGENT_RLS_RESOURCE_KEY", default_value = "resource")]
+    pub rls_resource_key: String,
+
+    /// The descriptor entry key that names the per-key principal (RLS).
+    #[arg(long, env = "AGENT_RLS_KEY_ENTRY", default_value = "user")]
+    pub rls_key_entry: String,
+
+    /// RLS answers carry RateLimit, RateLimit-Policy and Retry-After for
+    /// Envoy to add to the response.
+    #[arg(long, env = "AGENT_RLS_HEADERS", default_value_t = false)]
+    pub rls_headers: bool,
+
     /// Address to serve the agent API on.
     #[arg(long, env = "AGENT_LISTEN", default_value = "127.0.0.1:7171")]
     pub listen: SocketAddr,
@@ -168,6 +186,8 @@ pub struct Settings {
     pub redis_policy_check: Duration,
     pub redis_prefix: String,
     pub key_layout: crate::keys::Layout,
+    pub grpc_listen: Option<SocketAddr>,
+    pub rls: crate::rls::Mapping,
     pub agent_token: Option<String>,
     pub local_fallback_per_agent: i64,
     pub renew_ahead: Duration,
@@ -340,6 +360,12 @@ impl Config {
         if self.redis_prefix.contains(['{', '}']) {
             return Err("AGENT_REDIS_PREFIX must not contain '{' or '}' (it would break the hash tag)".into());
         }
+        if self.rls_resource_key.is_empty()
+            || self.rls_key_entry.is_empty()
+            || self.rls_resource_key == self.rls_key_entry
+        {
+            return Err("--rls-resource-key and --rls-key-entry must be two different non-empty keys".into());
+        }
         if self.local_fallback_per_agent < 0 {
             return Err("--local-fallback-per-agent must be >= 0".into());
         }
@@ -352,6 +378,12 @@ impl Config {
             sentinel,
             redis_policy_check: Duration::from_millis(self.redis_policy_check_ms.max(50)),
             redis_prefix: self.redis_prefix.clone(),
+            grpc_listen: self.grpc_listen,
+            rls: crate::rls::Mapping {
+                resource_key: self.rls_resource_key.clone(),
+                key_entry: self.rls_key_entry.clone(),
+                headers: self.rls_headers,
+            },
             key_layout: match self.key_layout {
                 KeyLayout::Tenant => crate::keys::Layout::Tenant,
                 KeyLayout::Legacy => crate::keys::Layout::Legacy,

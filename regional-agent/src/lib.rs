@@ -58,6 +58,8 @@
 //! * [`health`]: `/v1/status`, `/healthz`, `/readyz`, `/metrics`.
 //! * [`status_report`]: the status sent to the allocator's fleet pages,
 //!   with [`fleet_counts`] (its 429/503 counts per quota and window).
+//! * [`rls`]: Envoy's rate limit service (gRPC RLS v3) and the gRPC health
+//!   service, on `--grpc-listen`: descriptors decided as one acquire.
 //! * [`error`]: the one error enum and its mapping to HTTP.
 //!
 //! Every request runs in a `request` span (method, route, status); an
@@ -218,6 +220,7 @@ pub mod plan;
 pub mod quotas;
 pub mod redis_tls;
 pub mod renew;
+pub mod rls;
 pub mod scripts;
 pub mod sentinel;
 pub mod spend;
@@ -248,6 +251,7 @@ pub fn describe_metrics(m: &quota_shared::prom::Registry) {
     guard::describe(m);
     gauges::describe(m);
     status_report::describe(m);
+    rls::describe(m);
 }
 
 /// The agent's router; every request runs in a span (see [`request_span`]).
@@ -349,6 +353,7 @@ pub const SHUTDOWN_DRAIN: Duration = Duration::from_secs(3);
 /// its liveness key expires, send it.
 pub async fn run(
     listener: TcpListener,
+    grpc: Option<TcpListener>,
     app: AppState,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
@@ -373,6 +378,12 @@ pub async fn run(
     if let Some(every) = app.settings.status_interval {
         app.spawn(status_report::run(Reporter::of(&app), every));
     }
+    // Envoy's rate limit service, when asked for (`--grpc-listen`).
+    let grpc_stop = tokio_util::sync::CancellationToken::new();
+    let grpc = grpc.map(|l| {
+        let mapping = app.settings.rls.clone();
+        tokio::spawn(rls::serve(app.clone(), mapping, l, grpc_stop.clone()))
+    });
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let mut server = tokio::spawn(
         axum::serve(listener, router(app.clone()))
@@ -385,6 +396,7 @@ pub async fn run(
         r = &mut server => r,
         _ = shutdown => {
             let _ = stop_tx.send(());
+            grpc_stop.cancel();
             match tokio::time::timeout(SHUTDOWN_REQUESTS, &mut server).await {
                 Ok(r) => r,
                 Err(_) => {
@@ -396,6 +408,13 @@ pub async fn run(
             }
         }
     };
+    grpc_stop.cancel();
+    if let Some(mut g) = grpc {
+        if tokio::time::timeout(SHUTDOWN_REQUESTS, &mut g).await.is_err() {
+            tracing::warn!("in-flight gRPC calls cut at the shutdown deadline");
+            g.abort();
+        }
+    }
     app.cancel.cancel();
     let tasks = app.take_tasks();
     let aborts: Vec<_> = tasks.iter().map(|t| t.abort_handle()).collect();
@@ -441,6 +460,16 @@ pub async fn serve(config: config::Config) -> Result<(), String> {
     let app = App::new(settings).await?;
     describe_metrics(&app.metrics);
     let listener = TcpListener::bind(addr).await.map_err(|e| format!("cannot listen on {addr}: {e}"))?;
+    let grpc = match app.settings.grpc_listen {
+        Some(g) => {
+            let l = TcpListener::bind(g)
+                .await
+                .map_err(|e| format!("cannot listen on {g} (--grpc-listen): {e}"))?;
+            tracing::info!(addr = %l.local_addr().map_err(|e| e.to_string())?, "Envoy rate limit service (gRPC) listening");
+            Some(l)
+        }
+        None => None,
+    };
     tracing::info!(addr = %listener.local_addr().map_err(|e| e.to_string())?, region = %app.settings.region,
         agent = %app.settings.agent, "agent listening");
     let signal = async {
@@ -452,7 +481,7 @@ pub async fn serve(config: config::Config) -> Result<(), String> {
             std::process::exit(1);
         });
     };
-    run(listener, app, signal).await.map_err(|e| format!("server failed: {e}"))
+    run(listener, grpc, app, signal).await.map_err(|e| format!("server failed: {e}"))
 }
 
 pub use quota_shared::telemetry::{init as init_tracing, shutdown_signal};

@@ -130,7 +130,7 @@ impl Acquire {
 }
 
 /// Whether `s` is 1 to `max` visible ASCII characters (no space, no control).
-fn visible_ascii(s: &str, max: usize) -> bool {
+pub(crate) fn visible_ascii(s: &str, max: usize) -> bool {
     !s.is_empty() && s.len() <= max && s.chars().all(|c| c.is_ascii_graphic())
 }
 
@@ -447,7 +447,7 @@ pub struct Decided {
 
 /// A refusal, and the index of the quota that refused (none when the
 /// agent could not decide for all of them, or before any was looked at).
-type Refused = (Error, Option<usize>);
+pub(crate) type Refused = (Error, Option<usize>);
 
 /// A quota of the request with its policy, learned if need be.
 async fn learn(app: &AppState, tenant: &str, resource: &str) -> Result<(Arc<Quota>, PolicyInfo)> {
@@ -522,7 +522,7 @@ fn check(req: &Acquire, w: &ResourceCost, p: PolicyInfo) -> Result<()> {
 
 /// Makes the decision for a valid request; `policies` receives the policy
 /// of each quota as it is learned.
-async fn decide(
+pub(crate) async fn decide(
     app: &AppState,
     req: &Acquire,
     policies: &mut Vec<PolicyInfo>,

@@ -12,6 +12,11 @@
 //!   limit of the same size (`check_rate_limited_and_update`), in the
 //!   `limitador-peer` process ([`super::peer`]).
 //!
+//! Beside them, Envoy's rate limit service on the same agent
+//! (`--grpc-listen`): `ShouldRateLimit` with one descriptor naming the same
+//! quota, over one HTTP/2 connection with one stream per client, as Envoy
+//! calls it (`rls.c{1,16,64}.*`).
+//!
 //! Interleaving the four per repetition keeps the machine's background load
 //! (two other engineers' builds) roughly equal across what a ratio compares.
 
@@ -166,6 +171,55 @@ fn spend_op(store: Store, a: SpendArgs) -> Op {
     })
 }
 
+/// A client of the agent's rate limit service at `addr` (one HTTP/2
+/// connection; each concurrent call is a stream of it, as from Envoy).
+async fn rls_client(addr: &str) -> Result<RlsClient, String> {
+    let url = format!("http://{addr}");
+    let deadline = std::time::Instant::now() + CALL_TIMEOUT;
+    loop {
+        match RlsClient::connect(url.clone()).await {
+            Ok(c) => return Ok(c),
+            Err(e) if std::time::Instant::now() >= deadline => return Err(format!("RLS at {url}: {e}")),
+            Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+        }
+    }
+}
+
+type RlsClient =
+    envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient<
+        tonic::transport::Channel,
+    >;
+
+/// `ShouldRateLimit` for one descriptor naming the bench quota.
+fn rls_op(client: RlsClient) -> Op {
+    use envoy_types::pb::envoy::extensions::common::ratelimit::v3::{
+        rate_limit_descriptor::Entry, RateLimitDescriptor,
+    };
+    use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
+    let req = RateLimitRequest {
+        domain: TENANT.into(),
+        descriptors: vec![RateLimitDescriptor {
+            entries: vec![Entry { key: "resource".into(), value: RESOURCE.into() }],
+            ..Default::default()
+        }],
+        hits_addend: 1,
+    };
+    Arc::new(move |_, _| {
+        let (mut client, req) = (client.clone(), req.clone());
+        async move {
+            let r = tokio::time::timeout(CALL_TIMEOUT, client.should_rate_limit(req))
+                .await
+                .map_err(|_| "ShouldRateLimit timed out".to_string())?
+                .map_err(|e| format!("ShouldRateLimit: {e}"))?;
+            match r.into_inner().overall_code {
+                1 => Ok(()),
+                code => Err(format!("ShouldRateLimit answered code {code}")),
+            }
+        }
+        .boxed()
+    })
+}
+
 /// Runs the acquire measurements on `rig` with a Redis of their own.
 pub async fn run(rig: &Rig, plan: &Plan, out: &mut Results, progress: &dyn Fn(&str)) -> Result<(), String> {
     let redis = TestRedis::start();
@@ -187,12 +241,15 @@ pub async fn run(rig: &Rig, plan: &Plan, out: &mut Results, progress: &dyn Fn(&s
         )
         .await?;
     }
-    let agent = rig.agent(&redis).await;
+    let grpc = format!("127.0.0.1:{}", quota_tests::free_port());
+    let agent = rig.agent_as("eu", &redis.url, vec![("AGENT_GRPC_LISTEN".into(), grpc.clone())]).await;
+    let rls = rls_client(&grpc).await?;
     let http = client()?;
     // Warm: the agent learns the policies and credits a first lease.
     let per_key_op = acquire_op_for(http.clone(), &agent.base, &[RESOURCE_PER_KEY], true);
     let two_op = acquire_op_for(http.clone(), &agent.base, &[RESOURCE_PER_KEY, RESOURCE2_PER_KEY], true);
-    for op in [acquire_op(http.clone(), &agent.base), per_key_op.clone(), two_op.clone()] {
+    for op in [acquire_op(http.clone(), &agent.base), per_key_op.clone(), two_op.clone(), rls_op(rls.clone())]
+    {
         let warm = closed_loop(4, Duration::from_millis(500), op).await?;
         if warm.ok == 0 {
             return Err(format!("agent never admitted during warm-up: {:?}", warm.first_error));
@@ -236,6 +293,7 @@ pub async fn run(rig: &Rig, plan: &Plan, out: &mut Results, progress: &dyn Fn(&s
         let (mut lim_s, mut r_peer): (Vec<Sample>, Vec<f64>) = (Vec::new(), Vec::new());
         let mut stages: Vec<Stages> = Vec::new();
         let (mut per_key_s, mut two_s): (Vec<Sample>, Vec<Sample>) = (Vec::new(), Vec::new());
+        let mut rls_s: Vec<Sample> = Vec::new();
         for rep in 0..plan.reps {
             progress(&format!("acquire: {c} client(s), repetition {}/{}", rep + 1, plan.reps));
             let before = StageSums::read(&http, &agent.base).await?;
@@ -244,6 +302,7 @@ pub async fn run(rig: &Rig, plan: &Plan, out: &mut Results, progress: &dyn Fn(&s
             stages.push(stage);
             let l = closed_loop(c, plan.acquire, spend_op(store.clone(), args.clone())).await?;
             let f = closed_loop(c, plan.acquire, healthz_op(http.clone(), &agent.base)).await?;
+            rls_s.push(closed_loop(c, plan.acquire, rls_op(rls.clone())).await?);
             if c == PER_KEY_CLIENTS {
                 per_key_s.push(closed_loop(c, plan.acquire, per_key_op.clone()).await?);
                 two_s.push(closed_loop(c, plan.acquire, two_op.clone()).await?);
@@ -293,6 +352,15 @@ pub async fn run(rig: &Rig, plan: &Plan, out: &mut Results, progress: &dyn Fn(&s
                 out.note(format!("acquire c{c} {what}: {} errors, first: {:?}", m.errors, m.first_error));
             }
         }
+        let m = Medians::of(&rls_s);
+        let k = |s: &str| format!("rls.c{c}.{s}");
+        out.set(&k("decisions_per_s"), m.per_s);
+        out.set(&k("p50_ms"), m.p50_ms);
+        out.set(&k("p99_ms"), m.p99_ms);
+        if m.errors > 0 {
+            out.note(format!("rls c{c}: {} errors, first: {:?}", m.errors, m.first_error));
+        }
+        let k = |s: &str| format!("acquire.c{c}.{s}");
         if !lim_s.is_empty() {
             let m = Medians::of(&lim_s);
             out.set(&k("limitador_per_s"), m.per_s);

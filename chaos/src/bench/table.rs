@@ -122,6 +122,29 @@ pub fn markdown(plan: &Plan, m: &Machine, r: &Results, targets: &[TargetRow]) ->
         v(r, &k("ceiling_per_s")),
     );
 
+    let _ = writeln!(
+        s,
+        "\nEnvoy's rate limit service on the same agent (issue 18: `ShouldRateLimit`, one descriptor \
+         naming the same quota, one HTTP/2 connection with one stream per client, \
+         `rls.c<n>.*`), beside HTTP acquire of the same run:\n"
+    );
+    let _ = writeln!(
+        s,
+        "| streams | RLS decisions/s | RLS p50 ms | RLS p99 ms | HTTP acquire decisions/s | HTTP p99 ms |"
+    );
+    let _ = writeln!(s, "|---|---|---|---|---|---|");
+    for c in super::acquire::CLIENTS {
+        let _ = writeln!(
+            s,
+            "| {c} | {} | {} | {} | {} | {} |",
+            v(r, &format!("rls.c{c}.decisions_per_s")),
+            v(r, &format!("rls.c{c}.p50_ms")),
+            v(r, &format!("rls.c{c}.p99_ms")),
+            v(r, &format!("acquire.c{c}.decisions_per_s")),
+            v(r, &format!("acquire.c{c}.p99_ms")),
+        );
+    }
+
     let _ = writeln!(s, "\n### Where a decision's time goes (means per decision, µs)\n");
     let _ = writeln!(
         s,

@@ -1,0 +1,527 @@
+//! Envoy's rate limit service on the agent (`--grpc-listen`): gRPC
+//! `envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit`, what
+//! Envoy's `envoy.filters.http.ratelimit` filter (and Istio, Envoy Gateway,
+//! Contour) calls, and `grpc.health.v1.Health`. Message types come from
+//! the `envoy-types` crate (prost code generated from Envoy's own protos).
+//!
+//! Mapping (README "Use it from Envoy"): `domain` is the tenant; in each
+//! descriptor the entry whose key is `--rls-resource-key` (default
+//! `resource`) names the quota and the entry whose key is
+//! `--rls-key-entry` (default `user`) names the per-key principal; other
+//! entries are ignored. The cost is the descriptor's `hits_addend` if set,
+//! else the request's (0 meaning 1). A descriptor without a resource
+//! entry, or naming a quota with no policy, is not limited (`OK`, no state
+//! created). All descriptors of a request are decided in one run of the
+//! spend script (the same decision as `POST /v1/acquire` with
+//! `resources`): all admitted or none. Descriptors naming the same quota
+//! add their costs. The cases HTTP answers 503 are gRPC `UNAVAILABLE` (so
+//! Envoy's `failure_mode_deny` decides), invalid input `INVALID_ARGUMENT`;
+//! the reason is in the status message.
+
+use crate::app::AppState;
+use crate::error::Error;
+use crate::quotas::PolicyInfo;
+use crate::spend::{self, Acquire, Decided, ResourceCost};
+use envoy_types::pb::envoy::config::core::v3::HeaderValue;
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{
+    Code, DescriptorStatus, RateLimit,
+};
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::{
+    RateLimitService, RateLimitServiceServer,
+};
+use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use envoy_types::pb::google::protobuf::Duration as PbDuration;
+use quota_shared::window::Window;
+use std::time::Duration;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tonic::{Request, Response, Status};
+
+/// Most descriptors one request may carry.
+pub const MAX_DESCRIPTORS: usize = 64;
+/// How often the health service looks at Redis.
+const HEALTH_EVERY: Duration = Duration::from_secs(1);
+/// The service name the health service reports besides the server's ("").
+pub const SERVICE_NAME: &str = "envoy.service.ratelimit.v3.RateLimitService";
+
+/// How descriptors map to quotas (`--rls-*` flags).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Mapping {
+    /// The descriptor entry key that names the quota.
+    pub resource_key: String,
+    /// The descriptor entry key that names the per-key principal.
+    pub key_entry: String,
+    /// Whether answers carry `RateLimit`, `RateLimit-Policy`, `Retry-After`.
+    pub headers: bool,
+}
+
+/// A request as the agent reads it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Read {
+    pub tenant: String,
+    /// The quotas of the decision, each once, costs added.
+    pub wants: Vec<(String, i64)>,
+    /// For each descriptor, in order, the index of its quota in `wants`
+    /// (`None`: not limited).
+    pub of: Vec<Option<usize>>,
+    /// The principal the descriptors name, if any.
+    pub key: Option<String>,
+}
+
+/// Reads a request into one decision's quotas (pure; the error is the
+/// `INVALID_ARGUMENT` message).
+pub fn read(req: &RateLimitRequest, m: &Mapping) -> Result<Read, String> {
+    quota_shared::ids::validate_id(&req.domain).map_err(|e| format!("domain {:?} {e}", req.domain))?;
+    if req.descriptors.len() > MAX_DESCRIPTORS {
+        return Err(format!("at most {MAX_DESCRIPTORS} descriptors, got {}", req.descriptors.len()));
+    }
+    let request_cost = i64::from(req.hits_addend.max(1));
+    let mut read = Read { tenant: req.domain.clone(), wants: Vec::new(), of: Vec::new(), key: None };
+    for (i, d) in req.descriptors.iter().enumerate() {
+        let (resource, key) = entries(d, m).map_err(|e| format!("descriptor {i}: {e}"))?;
+        if d.is_negative_hits {
+            return Err(format!("descriptor {i}: negative hits (refunds) are not supported"));
+        }
+        let cost = match &d.hits_addend {
+            Some(h) if h.value == 0 => {
+                return Err(format!("descriptor {i}: hits_addend 0 (a check without a hit) is not supported"))
+            }
+            Some(h) => i64::try_from(h.value).unwrap_or(i64::MAX),
+            None => request_cost,
+        };
+        if let Some(k) = key {
+            match &read.key {
+                Some(other) if *other != k => {
+                    return Err(format!(
+                        "descriptor {i}: names principal {k:?}, another descriptor {other:?}; one request has one principal"
+                    ))
+                }
+                _ => read.key = Some(k),
+            }
+        }
+        let Some(resource) = resource else {
+            read.of.push(None);
+            continue;
+        };
+        let at = match read.wants.iter().position(|(r, _)| *r == resource) {
+            Some(at) => {
+                read.wants[at].1 = read.wants[at].1.saturating_add(cost);
+                at
+            }
+            None => {
+                read.wants.push((resource, cost));
+                read.wants.len() - 1
+            }
+        };
+        read.of.push(Some(at));
+    }
+    if read.wants.len() > spend::MAX_RESOURCES {
+        return Err(format!(
+            "at most {} distinct quotas per request, got {}",
+            spend::MAX_RESOURCES,
+            read.wants.len()
+        ));
+    }
+    if let Some((r, c)) = read.wants.iter().find(|(_, c)| !(1..=spend::MAX_COST).contains(c)) {
+        return Err(format!("cost {c} on {r:?} is above {}", spend::MAX_COST));
+    }
+    Ok(read)
+}
+
+/// A descriptor's quota and principal entries.
+fn entries(d: &RateLimitDescriptor, m: &Mapping) -> Result<(Option<String>, Option<String>), String> {
+    let (mut resource, mut key) = (None, None);
+    for e in &d.entries {
+        if e.key == m.resource_key {
+            quota_shared::ids::validate_id(&e.value)
+                .map_err(|err| format!("{} {:?} {err}", e.key, e.value))?;
+            resource = Some(e.value.clone());
+        } else if e.key == m.key_entry {
+            if !spend::visible_ascii(&e.value, spend::MAX_KEY_LEN) {
+                return Err(format!(
+                    "{} must be 1 to {} visible ASCII characters",
+                    e.key,
+                    spend::MAX_KEY_LEN
+                ));
+            }
+            key = Some(e.value.clone());
+        }
+    }
+    Ok((resource, key))
+}
+
+/// The policy as Envoy's `RateLimit`: `limit` per unit when the window is
+/// one (1 s, 60 s, 3600 s, 86400 s), else `UNKNOWN` with the exact window
+/// in `name` (`"<limit> per <W>s"`).
+pub fn current_limit(tenant: &str, resource: &str, p: PolicyInfo) -> RateLimit {
+    let unit = match p.window_secs {
+        1 => Unit::Second,
+        60 => Unit::Minute,
+        3600 => Unit::Hour,
+        86_400 => Unit::Day,
+        _ => Unit::Unknown,
+    };
+    let name = match unit {
+        Unit::Unknown => format!("{tenant}/{resource}: {} per {}s", p.limit, p.window_secs),
+        _ => format!("{tenant}/{resource}"),
+    };
+    RateLimit { name, requests_per_unit: u32::try_from(p.limit).unwrap_or(u32::MAX), unit: unit as i32 }
+}
+
+fn pb_duration(ms: i64) -> PbDuration {
+    let ms = ms.max(0);
+    PbDuration { seconds: ms / 1000, nanos: ((ms % 1000) * 1_000_000) as i32 }
+}
+
+fn clamp_u32(v: i64) -> u32 {
+    u32::try_from(v.max(0)).unwrap_or(u32::MAX)
+}
+
+/// The gRPC status of a refusal that is not an over-limit.
+fn status_of(e: &Error) -> Status {
+    match e.status_code().as_u16() {
+        503 => Status::unavailable(e.to_string()),
+        _ => Status::invalid_argument(e.to_string()),
+    }
+}
+
+/// The service (one per agent, sharing its state).
+pub struct Rls {
+    app: AppState,
+    mapping: Mapping,
+}
+
+impl Rls {
+    /// Decides `read`; quotas with no policy are left out of the decision
+    /// (not limited) and the others decided again.
+    async fn decide(&self, read: &Read) -> Result<RateLimitResponse, Status> {
+        let now = self.app.clock.now_utc();
+        let mut limited: Vec<bool> = vec![true; read.wants.len()];
+        loop {
+            let idx: Vec<usize> = (0..read.wants.len()).filter(|&i| limited[i]).collect();
+            let req = Acquire {
+                tenant: read.tenant.clone(),
+                wants: idx
+                    .iter()
+                    .map(|&i| ResourceCost { resource: read.wants[i].0.clone(), cost: read.wants[i].1 })
+                    .collect(),
+                multi: true,
+                request_id: None,
+                key: read.key.clone(),
+            };
+            if req.wants.is_empty() {
+                return Ok(self.answer(read, &limited, &[], None, now));
+            }
+            let mut policies = Vec::new();
+            match spend::decide(&self.app, &req, &mut policies).await {
+                Ok(d) => return Ok(self.answer(read, &limited, &policies, Some(Ok(&d)), now)),
+                Err((Error::UnknownQuota(_), Some(at))) => limited[idx[at]] = false,
+                Err((e @ (Error::Exhausted { .. } | Error::KeyLimited { .. }), Some(at))) => {
+                    return Ok(self.answer(read, &limited, &policies, Some(Err((&e, at))), now))
+                }
+                Err((e, _)) => return Err(status_of(&e)),
+            }
+        }
+    }
+
+    /// The answer: one status per descriptor, in order. `policies` and the
+    /// decision's parts are those of the limited quotas, in order; a
+    /// refusal names the index of the quota (among them) that refused.
+    fn answer(
+        &self,
+        read: &Read,
+        limited: &[bool],
+        policies: &[PolicyInfo],
+        decided: Option<Result<&Decided, (&Error, usize)>>,
+        now: chrono::DateTime<chrono::Utc>,
+    ) -> RateLimitResponse {
+        // The position of each quota among those decided.
+        let mut pos = vec![None; read.wants.len()];
+        let mut n = 0;
+        for (i, l) in limited.iter().enumerate() {
+            if *l {
+                pos[i] = Some(n);
+                n += 1;
+            }
+        }
+        let over = matches!(decided, Some(Err(_)));
+        let statuses = read
+            .of
+            .iter()
+            .map(|w| {
+                let Some(at) = w.and_then(|w| pos[w].map(|p| (w, p))) else {
+                    return DescriptorStatus { code: Code::Ok as i32, ..Default::default() };
+                };
+                let (w, p) = at;
+                let Some(policy) = policies.get(p).copied() else {
+                    return DescriptorStatus { code: Code::Ok as i32, ..Default::default() };
+                };
+                let reset = Window::containing(now, policy.window_secs).ms_until_end(now);
+                let mut s = DescriptorStatus {
+                    code: Code::Ok as i32,
+                    current_limit: Some(current_limit(&read.tenant, &read.wants[w].0, policy)),
+                    duration_until_reset: Some(pb_duration(reset)),
+                    ..Default::default()
+                };
+                match decided {
+                    Some(Ok(d)) => {
+                        if let Some(part) = d.parts.get(p) {
+                            s.limit_remaining = clamp_u32(part.admit.remaining);
+                        }
+                    }
+                    Some(Err((e, refused))) if refused == p => {
+                        s.code = Code::OverLimit as i32;
+                        if let Error::KeyLimited { remaining, retry_after_ms, .. } = e {
+                            s.limit_remaining = clamp_u32(*remaining);
+                            s.duration_until_reset = Some(pb_duration(*retry_after_ms));
+                        }
+                    }
+                    _ => {}
+                }
+                s
+            })
+            .collect();
+        let mut resp = RateLimitResponse {
+            overall_code: if over { Code::OverLimit as i32 } else { Code::Ok as i32 },
+            statuses,
+            ..Default::default()
+        };
+        if self.mapping.headers {
+            resp.response_headers_to_add = self.headers(read, limited, policies, decided, now);
+        }
+        resp
+    }
+
+    /// `RateLimit`, `RateLimit-Policy` (and on a refusal `Retry-After`) as
+    /// the HTTP answer would carry them.
+    fn headers(
+        &self,
+        read: &Read,
+        limited: &[bool],
+        policies: &[PolicyInfo],
+        decided: Option<Result<&Decided, (&Error, usize)>>,
+        now: chrono::DateTime<chrono::Utc>,
+    ) -> Vec<HeaderValue> {
+        let names: Vec<&str> =
+            (0..read.wants.len()).filter(|&i| limited[i]).map(|i| read.wants[i].0.as_str()).collect();
+        let name = |i: usize| format!("{}/{}", read.tenant, names.get(i).copied().unwrap_or("unknown"));
+        let mut h = axum::http::HeaderMap::new();
+        let mut retry = None;
+        match decided {
+            Some(Ok(d)) => {
+                let shown = |i: usize| {
+                    let a = &d.parts[i].admit;
+                    (Some(a.remaining), a.key_remaining)
+                };
+                let tightest = (0..d.parts.len())
+                    .min_by_key(|&i| {
+                        let (r, k) = shown(i);
+                        crate::headers::header_limit(&name(i), policies.get(i).copied(), r, k, now).r
+                    })
+                    .unwrap_or(0);
+                let (r, k) = shown(tightest);
+                crate::headers::rate_limit_headers(
+                    &mut h,
+                    &name(tightest),
+                    policies.get(tightest).copied(),
+                    r,
+                    k,
+                    now,
+                );
+            }
+            Some(Err((e, at))) => {
+                let (r, k) = match e {
+                    Error::KeyLimited { remaining, .. } => (None, Some(*remaining)),
+                    _ => (Some(0), None),
+                };
+                crate::headers::rate_limit_headers(&mut h, &name(at), policies.get(at).copied(), r, k, now);
+                retry = e.retry_after_s();
+            }
+            None => return Vec::new(),
+        }
+        let mut out: Vec<HeaderValue> = h
+            .iter()
+            .filter_map(|(k, v)| {
+                Some(HeaderValue {
+                    key: k.as_str().to_string(),
+                    value: v.to_str().ok()?.to_string(),
+                    ..Default::default()
+                })
+            })
+            .collect();
+        if let Some(s) = retry {
+            out.push(HeaderValue { key: "retry-after".into(), value: s.to_string(), ..Default::default() });
+        }
+        out
+    }
+}
+
+/// Declares the RLS metric families.
+pub fn describe(m: &quota_shared::prom::Registry) {
+    m.describe(
+        "agent_rls_decisions_total",
+        "counter",
+        "ShouldRateLimit answers by code (ok, over_limit, unavailable, invalid_argument)",
+    );
+    m.describe("agent_rls_seconds", "histogram", "ShouldRateLimit latency inside the agent");
+}
+
+#[tonic::async_trait]
+impl RateLimitService for Rls {
+    async fn should_rate_limit(
+        &self,
+        request: Request<RateLimitRequest>,
+    ) -> Result<Response<RateLimitResponse>, Status> {
+        let started = std::time::Instant::now();
+        let result = match read(request.get_ref(), &self.mapping) {
+            Ok(r) => self.decide(&r).await,
+            Err(msg) => Err(Status::invalid_argument(msg)),
+        };
+        let code = match &result {
+            Ok(r) if r.overall_code == Code::OverLimit as i32 => "over_limit",
+            Ok(_) => "ok",
+            Err(s) if s.code() == tonic::Code::Unavailable => "unavailable",
+            Err(_) => "invalid_argument",
+        };
+        self.app.metrics.inc("agent_rls_decisions_total", &[("code", code)]);
+        self.app.metrics.observe("agent_rls_seconds", &[], started.elapsed().as_secs_f64());
+        result.map(Response::new)
+    }
+}
+
+/// Serves RLS and the health service on `listener` until `stop` is
+/// cancelled (then in-flight calls finish; the caller bounds the wait).
+pub async fn serve(app: AppState, mapping: Mapping, listener: TcpListener, stop: CancellationToken) {
+    let (reporter, health) = tonic_health::server::health_reporter();
+    let rls = RateLimitServiceServer::new(Rls { app: app.clone(), mapping });
+    app.spawn({
+        let app = app.clone();
+        async move {
+            loop {
+                let ready = app.guard.refusal().is_none() && app.store.ping().await;
+                let status = if ready {
+                    tonic_health::ServingStatus::Serving
+                } else {
+                    tonic_health::ServingStatus::NotServing
+                };
+                reporter.set_service_status("", status).await;
+                reporter.set_service_status(SERVICE_NAME, status).await;
+                tokio::select! {
+                    _ = app.cancel.cancelled() => return,
+                    _ = tokio::time::sleep(HEALTH_EVERY) => {}
+                }
+            }
+        }
+    });
+    let incoming = tonic::transport::server::TcpIncoming::from(listener);
+    let served = tonic::transport::Server::builder()
+        .timeout(Duration::from_secs(10))
+        .concurrency_limit_per_connection(1024)
+        .add_service(health)
+        .add_service(rls)
+        .serve_with_incoming_shutdown(incoming, stop.cancelled_owned())
+        .await;
+    if let Err(e) = served {
+        tracing::error!(error = %e, "the gRPC server stopped");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+    use envoy_types::pb::google::protobuf::UInt64Value;
+
+    fn mapping() -> Mapping {
+        Mapping { resource_key: "resource".into(), key_entry: "user".into(), headers: false }
+    }
+
+    fn desc(entries: &[(&str, &str)], hits: Option<u64>) -> RateLimitDescriptor {
+        RateLimitDescriptor {
+            entries: entries
+                .iter()
+                .map(|(k, v)| Entry { key: k.to_string(), value: v.to_string() })
+                .collect(),
+            hits_addend: hits.map(|value| UInt64Value { value }),
+            ..Default::default()
+        }
+    }
+
+    fn req(domain: &str, hits: u32, d: Vec<RateLimitDescriptor>) -> RateLimitRequest {
+        RateLimitRequest { domain: domain.into(), descriptors: d, hits_addend: hits }
+    }
+
+    #[test]
+    fn descriptors_map_to_one_decision() {
+        let r = read(
+            &req(
+                "atlas",
+                0,
+                vec![
+                    desc(&[("resource", "read"), ("user", "u1"), ("path", "/x")], None),
+                    desc(&[("generic_key", "x")], None),
+                    desc(&[("resource", "write"), ("user", "u1")], Some(3)),
+                    desc(&[("resource", "read")], Some(2)),
+                ],
+            ),
+            &mapping(),
+        )
+        .unwrap();
+        assert_eq!(r.tenant, "atlas");
+        // read: 1 (the request's 0 means 1) + 2; write: 3.
+        assert_eq!(r.wants, vec![("read".to_string(), 3), ("write".to_string(), 3)]);
+        assert_eq!(r.of, vec![Some(0), None, Some(1), Some(0)]);
+        assert_eq!(r.key.as_deref(), Some("u1"));
+        // The request's hits_addend is the default cost.
+        let r = read(&req("atlas", 5, vec![desc(&[("resource", "read")], None)]), &mapping()).unwrap();
+        assert_eq!(r.wants, vec![("read".to_string(), 5)]);
+    }
+
+    #[test]
+    fn what_cannot_be_decided_is_refused_by_name() {
+        let cases = [
+            (req("bad domain", 0, vec![]), "domain"),
+            (req("atlas", 0, vec![desc(&[("resource", "a b")], None)]), "descriptor 0"),
+            (req("atlas", 0, vec![desc(&[("resource", "r")], Some(0))]), "hits_addend 0"),
+            (
+                req(
+                    "atlas",
+                    0,
+                    vec![desc(&[("resource", "r"), ("user", "a")], None), desc(&[("user", "b")], None)],
+                ),
+                "one principal",
+            ),
+            (req("atlas", 0, vec![desc(&[("resource", "r"), ("user", "")], None)]), "visible ASCII"),
+        ];
+        for (r, want) in cases {
+            let e = read(&r, &mapping()).unwrap_err();
+            assert!(e.contains(want), "{e} should name {want}");
+        }
+        let mut neg = desc(&[("resource", "r")], None);
+        neg.is_negative_hits = true;
+        assert!(read(&req("atlas", 0, vec![neg]), &mapping()).unwrap_err().contains("negative"));
+        let many: Vec<_> = (0..9).map(|i| desc(&[("resource", &format!("r{i}"))], None)).collect();
+        assert!(read(&req("atlas", 0, many), &mapping()).unwrap_err().contains("distinct quotas"));
+    }
+
+    #[test]
+    fn a_window_of_one_unit_is_that_unit_and_any_other_is_named_exactly() {
+        let p = |window_secs| PolicyInfo {
+            limit: 100,
+            window_secs,
+            fail_mode: quota_shared::wire::FailMode::Bounded,
+            fallback_allowance: 0,
+            version: 1,
+            per_key: None,
+            enforce: true,
+        };
+        for (w, unit) in [(1, Unit::Second), (60, Unit::Minute), (3600, Unit::Hour), (86_400, Unit::Day)] {
+            let l = current_limit("a", "r", p(w));
+            assert_eq!((l.unit, l.requests_per_unit, l.name.as_str()), (unit as i32, 100, "a/r"));
+        }
+        let l = current_limit("a", "r", p(10));
+        assert_eq!((l.unit, l.name.as_str()), (Unit::Unknown as i32, "a/r: 100 per 10s"));
+    }
+}

@@ -1,0 +1,315 @@
+//! Envoy's rate limit service on the agent (`--grpc-listen`), driven by
+//! the client `envoy-types` generates from Envoy's own `rls.proto` (not by
+//! the server's code): quotas, per-user limits, `hits_addend`, descriptors
+//! decided atomically, unknown descriptors, partitions, the health service,
+//! and gRPC and HTTP decisions sharing one pool. Real allocator on
+//! PostgreSQL, Redis and agents as processes.
+
+mod common;
+
+use common::World;
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use envoy_types::pb::google::protobuf::UInt64Value;
+use quota_tests::agent::AgentProc;
+use quota_tests::proxy::{Fault, FaultProxy};
+use serde_json::json;
+use std::time::Duration;
+use tonic::transport::Channel;
+
+type Client = RateLimitServiceClient<Channel>;
+
+/// An agent serving RLS (with headers) on a free port, and a client for it.
+async fn rls_agent(w: &World, id: &str, allocator: Option<&str>) -> (AgentProc, Client, String) {
+    let port = quota_tests::free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let a =
+        w.agent("eu", id, allocator, &[("AGENT_GRPC_LISTEN", &addr), ("AGENT_RLS_HEADERS", "true")]).await;
+    let url = format!("http://{addr}");
+    let c = client(&url).await;
+    (a, c, url)
+}
+
+async fn client(url: &str) -> Client {
+    quota_tests::wait::until("the RLS port accepts", Duration::from_secs(20), || {
+        let url = url.to_string();
+        async move { RateLimitServiceClient::connect(url).await.ok() }
+    })
+    .await
+}
+
+fn d(entries: &[(&str, &str)], hits: Option<u64>) -> RateLimitDescriptor {
+    RateLimitDescriptor {
+        entries: entries.iter().map(|(k, v)| Entry { key: k.to_string(), value: v.to_string() }).collect(),
+        hits_addend: hits.map(|value| UInt64Value { value }),
+        ..Default::default()
+    }
+}
+
+async fn ask(
+    c: &Client,
+    descriptors: Vec<RateLimitDescriptor>,
+    hits: u32,
+) -> Result<RateLimitResponse, tonic::Status> {
+    let mut c = c.clone();
+    let req = RateLimitRequest { domain: "atlas".into(), descriptors, hits_addend: hits };
+    tokio::time::timeout(Duration::from_secs(10), c.should_rate_limit(req))
+        .await
+        .expect("ShouldRateLimit answers within 10 s")
+        .map(|r| r.into_inner())
+}
+
+fn header<'a>(r: &'a RateLimitResponse, name: &str) -> Option<&'a str> {
+    r.response_headers_to_add.iter().find(|h| h.key == name).map(|h| h.value.as_str())
+}
+
+/// Σ consumed of a quota over its windows, as the allocator counts it.
+async fn consumed(w: &World, resource: &str) -> i64 {
+    w.windows("atlas", resource).await.iter().map(|x| x["consumed"].as_i64().unwrap_or(0)).sum()
+}
+
+async fn wait_consumed(w: &World, resource: &str, want: i64) {
+    let r = quota_tests::wait::poll(Duration::from_secs(20), Duration::from_millis(100), || async {
+        let got = consumed(w, resource).await;
+        if got == want {
+            Ok(())
+        } else {
+            Err(got)
+        }
+    })
+    .await;
+    assert_eq!(r, Ok(()), "allocator consumed of {resource}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ok_then_over_limit_at_the_quota_and_unknown_descriptors_are_not_limited() {
+    let w = World::start().await;
+    w.policy(
+        "atlas",
+        "read",
+        json!({"limit": 5, "window_secs": 3600, "fail_mode": "strict", "chunk_max": 5}),
+    )
+    .await;
+    let (_a, c, _) = rls_agent(&w, "eu-1", None).await;
+    let read = || vec![d(&[("resource", "read"), ("path", "/items")], None)];
+    for _ in 0..5 {
+        let r = ask(&c, read(), 0).await.expect("OK");
+        assert_eq!(r.overall_code, Code::Ok as i32, "{r:?}");
+        let s = &r.statuses[0];
+        let limit = s.current_limit.as_ref().expect("current_limit");
+        assert_eq!((limit.requests_per_unit, limit.unit), (5, Unit::Hour as i32), "{r:?}");
+        // The region's balance, as `remaining` over HTTP: at most what is left of 5.
+        assert!(s.limit_remaining < 5, "{r:?}");
+        assert!(s.duration_until_reset.is_some_and(|d| d.seconds > 0 && d.seconds <= 3600), "{r:?}");
+        assert_eq!(header(&r, "ratelimit-policy"), Some("\"atlas/read\";q=5;w=3600"), "{r:?}");
+    }
+    let r = ask(&c, read(), 0).await.expect("an answer");
+    assert_eq!(r.overall_code, Code::OverLimit as i32, "{r:?}");
+    assert_eq!(r.statuses[0].code, Code::OverLimit as i32);
+    assert!(header(&r, "retry-after").and_then(|v| v.parse::<i64>().ok()).is_some_and(|s| s >= 1), "{r:?}");
+
+    // A descriptor without a resource entry, and one naming a quota with no
+    // policy: OK, and no state in Redis for the unknown name (F14).
+    let r = ask(&c, vec![d(&[("generic_key", "x")], None), d(&[("resource", "nope")], None)], 0)
+        .await
+        .expect("OK");
+    assert_eq!(r.overall_code, Code::Ok as i32, "{r:?}");
+    assert!(r.statuses.iter().all(|s| s.code == Code::Ok as i32 && s.current_limit.is_none()), "{r:?}");
+    let client = redis::Client::open(w.redis_url()).expect("redis url");
+    let mut conn = client.get_multiplexed_async_connection().await.expect("redis");
+    let keys: Vec<String> = redis::cmd("KEYS").arg("*nope*").query_async(&mut conn).await.expect("KEYS");
+    assert!(keys.is_empty(), "{keys:?}");
+    // Invalid input names itself.
+    let e = ask(&c, vec![d(&[("resource", "a b")], None)], 0).await.expect_err("invalid");
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+    assert!(e.message().contains("descriptor 0"), "{e:?}");
+    wait_consumed(&w, "read", 5).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_per_user_limit_and_hits_addend_at_both_levels() {
+    let w = World::start().await;
+    w.policy(
+        "atlas",
+        "write",
+        json!({"limit": 1000, "window_secs": 3600, "per_key": {"rate_per_sec": 0.001, "burst": 5}}),
+    )
+    .await;
+    let (_a, c, _) = rls_agent(&w, "eu-1", None).await;
+    let as_user = |u: &str, hits| vec![d(&[("resource", "write"), ("user", u)], hits)];
+    // Request-level hits_addend 2, then a descriptor-level 3 overriding the
+    // request's 4: u1's bucket of 5 is spent.
+    assert_eq!(ask(&c, as_user("u1", None), 2).await.expect("OK").overall_code, Code::Ok as i32);
+    assert_eq!(ask(&c, as_user("u1", Some(3)), 4).await.expect("OK").overall_code, Code::Ok as i32);
+    let r = ask(&c, as_user("u1", None), 0).await.expect("an answer");
+    assert_eq!(r.overall_code, Code::OverLimit as i32, "{r:?}");
+    assert_eq!(r.statuses[0].limit_remaining, 0, "{r:?}");
+    assert_eq!(header(&r, "ratelimit-policy"), Some("\"atlas/write/per_key\";q=5;w=5000"), "{r:?}");
+    // Another user is another bucket.
+    assert_eq!(ask(&c, as_user("u2", None), 0).await.expect("OK").overall_code, Code::Ok as i32);
+    // A quota with a per-key limit and no user: invalid, as over HTTP.
+    let e = ask(&c, vec![d(&[("resource", "write")], None)], 0).await.expect_err("no user");
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+    // 2 + 3 + 1: the refusal debited nothing.
+    wait_consumed(&w, "write", 6).await;
+}
+
+/// Two descriptors of one request, 16 concurrent streams over two agents,
+/// until `search` (40) is exhausted: never one quota debited without the
+/// other.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_descriptors_are_decided_atomically_under_concurrency() {
+    let w = World::start().await;
+    w.policy("atlas", "catalog", json!({"limit": 1000, "window_secs": 3600, "fail_mode": "strict"})).await;
+    w.policy(
+        "atlas",
+        "search",
+        json!({"limit": 40, "window_secs": 3600, "fail_mode": "strict", "chunk_max": 7}),
+    )
+    .await;
+    let (_a, ca, _) = rls_agent(&w, "eu-1", None).await;
+    let (_b, cb, _) = rls_agent(&w, "eu-2", None).await;
+    let mut tasks = Vec::new();
+    for i in 0..16 {
+        let c = if i % 2 == 0 { ca.clone() } else { cb.clone() };
+        tasks.push(tokio::spawn(async move {
+            let (mut ok, mut refused) = (0, 0);
+            while refused < 3 {
+                let both = vec![d(&[("resource", "catalog")], None), d(&[("resource", "search")], None)];
+                let r = ask(&c, both, 0).await.expect("an answer");
+                if r.overall_code == Code::Ok as i32 {
+                    ok += 1;
+                    refused = 0;
+                } else {
+                    assert_eq!(r.statuses[1].code, Code::OverLimit as i32, "{r:?}");
+                    refused += 1;
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            }
+            ok
+        }));
+    }
+    let mut ok = 0;
+    for t in tasks {
+        ok += t.await.unwrap();
+    }
+    assert_eq!(ok, 40, "search's pool admits exactly its limit");
+    wait_consumed(&w, "search", 40).await;
+    wait_consumed(&w, "catalog", 40).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_strict_partition_is_unavailable_with_the_reason() {
+    let w = World::start().await;
+    w.policy(
+        "atlas",
+        "s",
+        json!({"limit": 1000, "window_secs": 3600, "fail_mode": "strict", "chunk_max": 5}),
+    )
+    .await;
+    let sw = FaultProxy::in_front_of(&w.stack.alloc.base).await.expect("fault proxy");
+    let (_a, c, _) = rls_agent(&w, "eu-1", Some(&sw.http_url())).await;
+    assert_eq!(
+        ask(&c, vec![d(&[("resource", "s")], None)], 0).await.expect("OK").overall_code,
+        Code::Ok as i32
+    );
+    sw.set(Fault::Blackhole);
+    // The region's leases run out; then the agent cannot decide.
+    let mut last = None;
+    for _ in 0..50 {
+        match ask(&c, vec![d(&[("resource", "s")], None)], 0).await {
+            Ok(r) => assert_eq!(r.overall_code, Code::Ok as i32, "no OVER_LIMIT while unreachable: {r:?}"),
+            Err(e) => {
+                last = Some(e);
+                break;
+            }
+        }
+    }
+    let e = last.expect("UNAVAILABLE once the leases are spent");
+    assert_eq!(e.code(), tonic::Code::Unavailable, "{e:?}");
+    assert!(e.message().contains("unreachable"), "{e:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_is_serving_and_not_serving_while_redis_is_unusable() {
+    use tonic_health::pb::health_client::HealthClient;
+    use tonic_health::pb::{health_check_response::ServingStatus, HealthCheckRequest};
+    let w = World::start().await;
+    let (_a, _c, url) = rls_agent(&w, "eu-1", None).await;
+    let channel = Channel::from_shared(url).expect("url").connect().await.expect("health channel");
+    let health = HealthClient::new(channel);
+    let status = |service: &'static str| {
+        let mut h = health.clone();
+        async move {
+            let req = HealthCheckRequest { service: service.into() };
+            tokio::time::timeout(Duration::from_secs(5), h.check(req))
+                .await
+                .ok()
+                .and_then(|r| r.ok())
+                .map(|r| r.into_inner().status)
+        }
+    };
+    let wait_for = |want: ServingStatus| async move {
+        quota_tests::wait::until("health status", Duration::from_secs(20), || async move {
+            let all = (status("").await, status("envoy.service.ratelimit.v3.RateLimitService").await);
+            (all == (Some(want as i32), Some(want as i32))).then_some(())
+        })
+        .await
+    };
+    wait_for(ServingStatus::Serving).await;
+    w.redis.signal(libc::SIGSTOP);
+    wait_for(ServingStatus::NotServing).await;
+    w.redis.signal(libc::SIGCONT);
+    wait_for(ServingStatus::Serving).await;
+}
+
+/// gRPC and HTTP decisions spend one pool: 8 streams and 8 HTTP clients on
+/// two agents until the pool of 100 is exhausted admit exactly 100.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_and_http_decisions_share_one_pool() {
+    let w = World::start().await;
+    w.policy(
+        "atlas",
+        "mixed",
+        json!({"limit": 100, "window_secs": 3600, "fail_mode": "strict", "chunk_max": 9}),
+    )
+    .await;
+    let (a, ca, _) = rls_agent(&w, "eu-1", None).await;
+    let (b, cb, _) = rls_agent(&w, "eu-2", None).await;
+    let mut tasks = Vec::new();
+    for i in 0..16 {
+        let c = if i % 2 == 0 { ca.clone() } else { cb.clone() };
+        let http = if i % 2 == 0 { a.http.clone() } else { b.http.clone() };
+        tasks.push(tokio::spawn(async move {
+            let (mut ok, mut refused) = (0, 0);
+            while refused < 3 {
+                let admitted = if i < 8 {
+                    let r = ask(&c, vec![d(&[("resource", "mixed")], None)], 0).await.expect("an answer");
+                    r.overall_code == Code::Ok as i32
+                } else {
+                    let r = common::acquire(&http, "atlas", "mixed").await;
+                    assert!(r.status == 200 || r.status == 429, "{}", r.body);
+                    r.status == 200
+                };
+                if admitted {
+                    ok += 1;
+                    refused = 0;
+                } else {
+                    refused += 1;
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            }
+            ok
+        }));
+    }
+    let mut ok = 0;
+    for t in tasks {
+        ok += t.await.unwrap();
+    }
+    assert_eq!(ok, 100, "gRPC and HTTP together admit exactly the pool");
+    wait_consumed(&w, "mixed", 100).await;
+}
