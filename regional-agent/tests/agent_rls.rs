@@ -208,7 +208,7 @@ async fn a_strict_partition_is_unavailable_with_the_reason() {
     w.policy(
         "atlas",
         "s",
-        json!({"limit": 1000, "window_secs": 3600, "fail_mode": "strict", "chunk_max": 5}),
+        json!({"limit": 1000, "window_secs": 3600, "fail_mode": "strict", "chunk_min": 1, "chunk_max": 5}),
     )
     .await;
     let sw = FaultProxy::in_front_of(&w.stack.alloc.base).await.expect("fault proxy");
