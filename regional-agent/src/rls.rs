@@ -415,7 +415,9 @@ pub async fn serve(app: AppState, mapping: Mapping, listener: TcpListener, stop:
             }
         }
     });
-    let incoming = tonic::transport::server::TcpIncoming::from(listener);
+    // Without TCP_NODELAY a small answer waits for the client's delayed ACK
+    // (40 ms on Linux): measured as a 42 ms p99 at 16 streams.
+    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
     let served = tonic::transport::Server::builder()
         .timeout(Duration::from_secs(10))
         .concurrency_limit_per_connection(1024)
