@@ -187,7 +187,7 @@ pub struct Settings {
     pub redis_prefix: String,
     pub key_layout: crate::keys::Layout,
     pub grpc_listen: Option<SocketAddr>,
-    pub rls: crate::rls::Mapping,
+    pub rls: RlsMapping,
     pub agent_token: Option<String>,
     pub local_fallback_per_agent: i64,
     pub renew_ahead: Duration,
@@ -379,7 +379,7 @@ impl Config {
             redis_policy_check: Duration::from_millis(self.redis_policy_check_ms.max(50)),
             redis_prefix: self.redis_prefix.clone(),
             grpc_listen: self.grpc_listen,
-            rls: crate::rls::Mapping {
+            rls: RlsMapping {
                 resource_key: self.rls_resource_key.clone(),
                 key_entry: self.rls_key_entry.clone(),
                 headers: self.rls_headers,
@@ -402,6 +402,17 @@ impl Config {
             redis_tls,
         })
     }
+}
+
+/// How RLS descriptors map to quotas (`--rls-*` flags, see `crate::rls`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RlsMapping {
+    /// The descriptor entry key that names the quota.
+    pub resource_key: String,
+    /// The descriptor entry key that names the per-key principal.
+    pub key_entry: String,
+    /// Whether answers carry `RateLimit`, `RateLimit-Policy`, `Retry-After`.
+    pub headers: bool,
 }
 
 /// `--key-layout`.

@@ -44,9 +44,10 @@
 //! * [`quotas`]: what the agent knows per quota (policy and its cache in
 //!   Redis, demand, incarnation; `Quota::settle`, the one handling of a
 //!   changed incarnation).
-//! * [`spend`]: `POST /v1/acquire` (I5, I2, fallback, I6) and its rule
-//!   `step` (admit, wait for a renewal, fallback, 429 or 503), per-key
-//!   limits and shadow mode.
+//! * [`acquire`]: `POST /v1/acquire`: its body, validation and answer.
+//! * [`spend`]: the decision (I5, I2, fallback, I6) over one quota or
+//!   several of a tenant, and its rule `step` (admit, wait for a renewal,
+//!   fallback, 429 or 503), per-key limits and shadow mode.
 //! * [`headers`]: the `RateLimit` headers of the most restrictive limit.
 //! * [`batch`]: concurrent decisions on one quota share one script run.
 //! * [`renew`]: the background renewer (DESIGN §4), crediting (I5, I4).
@@ -199,6 +200,7 @@
 //! * The agent's own endpoints have no authentication (it is a sidecar);
 //!   it warns when listening on a non-loopback address.
 
+pub mod acquire;
 pub mod app;
 pub mod batch;
 pub mod breaker;
@@ -266,7 +268,7 @@ pub fn router(app: AppState) -> Router {
         // a failure to log at error level once per request.
         .on_failure(());
     Router::new()
-        .merge(spend::router())
+        .merge(acquire::router())
         .merge(health::router())
         .fallback(|req: Request| async move { error::Error::NoRoute(req.uri().path().to_string()) })
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))

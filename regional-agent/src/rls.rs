@@ -19,6 +19,7 @@
 //! the reason is in the status message.
 
 use crate::app::AppState;
+use crate::config::RlsMapping as Mapping;
 use crate::error::Error;
 use crate::quotas::PolicyInfo;
 use crate::spend::{self, Acquire, Decided, ResourceCost};
@@ -45,17 +46,6 @@ pub const MAX_DESCRIPTORS: usize = 64;
 const HEALTH_EVERY: Duration = Duration::from_secs(1);
 /// The service name the health service reports besides the server's ("").
 pub const SERVICE_NAME: &str = "envoy.service.ratelimit.v3.RateLimitService";
-
-/// How descriptors map to quotas (`--rls-*` flags).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Mapping {
-    /// The descriptor entry key that names the quota.
-    pub resource_key: String,
-    /// The descriptor entry key that names the per-key principal.
-    pub key_entry: String,
-    /// Whether answers carry `RateLimit`, `RateLimit-Policy`, `Retry-After`.
-    pub headers: bool,
-}
 
 /// A request as the agent reads it.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -1,10 +1,13 @@
-//! `POST /v1/acquire`: one admission decision per request, made by a run
-//! of `lua/spend.lua` (shared with the concurrent requests on the same
-//! quota, see [`crate::batch`]) that checks the quota's incarnation, each
-//! lease's expiry and epoch fence and the balance, and debits atomically
-//! (I5). The request path never calls the allocator: when no token is left
-//! it wakes the renewer and waits (bounded) for it, and it answers from the
-//! region's fallback counter only while the allocator is unreachable.
+//! The admission decision of one request (I5) on one quota or several of
+//! one tenant, asked by `POST /v1/acquire` ([`crate::acquire`]) and by
+//! Envoy's rate limit service ([`crate::rls`]): made by a run of
+//! `lua/spend.lua` (shared with the concurrent requests on the same quota,
+//! see [`crate::batch`]) that checks each quota's incarnation, each lease's
+//! expiry and epoch fence, the key's buckets and the balances, and debits
+//! every limit or none. The request path never calls the allocator: when no
+//! token is left it wakes the renewer and waits (bounded) for it, and it
+//! answers from the region's fallback counter only while the allocator is
+//! unreachable.
 
 use crate::app::AppState;
 use crate::batch;
@@ -13,27 +16,12 @@ use crate::keys::{Keys, Layout};
 use crate::quotas::{self, PolicyInfo, Quota};
 use crate::renew;
 use crate::scripts::{self, Admit, Ask, Caller, Common, On, Outcome, Part, Spend};
-use axum::body::Bytes;
-use axum::extract::rejection::BytesRejection;
-use axum::extract::State;
-use axum::http::StatusCode;
-use axum::response::{IntoResponse, Response};
-use axum::routing::post;
-use axum::{Json, Router};
-use chrono::{TimeZone, Utc};
 use quota_shared::window::Window;
 use quota_shared::wire::FailMode;
 use serde::Deserialize;
-use serde_json::json;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tracing::field::Empty;
-
-/// Routes of this module.
-pub fn router() -> Router<AppState> {
-    Router::new().route("/v1/acquire", post(acquire))
-}
 
 /// Largest `cost` accepted before the policy is known.
 pub const MAX_COST: i64 = 1_000_000_000;
@@ -60,34 +48,6 @@ pub struct ResourceCost {
     pub resource: String,
     #[serde(default = "one")]
     pub cost: i64,
-}
-
-/// `POST /v1/acquire` body: one quota (`resource`, `cost`) or several of
-/// the tenant's (`resources`), decided together: every limit allows and
-/// is debited, or none is.
-#[derive(Debug, Deserialize, utoipa::ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct AcquireRequest {
-    pub tenant: String,
-    /// The quota (exactly one of `resource` and `resources`).
-    #[serde(default)]
-    pub resource: Option<String>,
-    /// Tokens on `resource` (default 1; not with `resources`).
-    #[serde(default)]
-    pub cost: Option<i64>,
-    /// Several quotas of the tenant, each with its cost (default 1), 1 to
-    /// 8, each named once.
-    #[serde(default)]
-    #[schema(min_items = 1, max_items = 8)]
-    pub resources: Option<Vec<ResourceCost>>,
-    #[serde(default)]
-    pub request_id: Option<String>,
-    /// The principal (user, API key) whose per-key bucket the request
-    /// spends: 1 to 128 visible ASCII characters. Required when a named
-    /// quota's policy has `per_key` (422 otherwise); ignored by the others.
-    #[serde(default)]
-    #[schema(min_length = 1, max_length = 128, pattern = "^[!-~]{1,128}$")]
-    pub key: Option<String>,
 }
 
 /// A valid acquire: the quotas it spends, in the request's order.
@@ -132,251 +92,6 @@ impl Acquire {
 /// Whether `s` is 1 to `max` visible ASCII characters (no space, no control).
 pub(crate) fn visible_ascii(s: &str, max: usize) -> bool {
     !s.is_empty() && s.len() <= max && s.chars().all(|c| c.is_ascii_graphic())
-}
-
-const FIELDS: [&str; 7] = ["tenant", "resource", "cost", "resources", "request_id", "key", "body"];
-
-fn parse(body: std::result::Result<Bytes, BytesRejection>) -> Result<Acquire> {
-    let bytes = body.map_err(|r| {
-        if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
-            Error::PayloadTooLarge
-        } else {
-            Error::MalformedJson(r.body_text())
-        }
-    })?;
-    // The path of the value that failed (`key` for `"key": 7`,
-    // `resources[0].cost` for a bad cost in the list); `.` for the body
-    // itself (a missing or unknown field, named in the message).
-    let de = &mut serde_json::Deserializer::from_slice(&bytes);
-    let req: AcquireRequest = serde_path_to_error::deserialize(de).map_err(|e| {
-        let path = e.path().to_string();
-        let e = e.into_inner();
-        match e.classify() {
-            serde_json::error::Category::Data => {
-                let msg = e.to_string();
-                // "unknown field `colour`, expected one of `tenant`, ...":
-                // the unknown one; "missing field `resource`": the missing one.
-                let quoted = msg
-                    .split('`')
-                    .nth(1)
-                    .filter(|_| msg.starts_with("unknown field") || msg.starts_with("missing field"));
-                let top = path.split(['[', '.']).next().unwrap_or("");
-                let field = match quoted {
-                    Some(f) if !path.starts_with("resources") => f.to_string(),
-                    _ => FIELDS.into_iter().find(|f| *f == top).unwrap_or("body").to_string(),
-                };
-                Error::invalid(field, if path == "." { msg } else { format!("{path}: {msg}") })
-            }
-            _ => Error::MalformedJson(e.to_string()),
-        }
-    })?;
-    quota_shared::ids::validate_id(&req.tenant)
-        .map_err(|e| Error::invalid("tenant", format!("{:?} {e}", req.tenant)))?;
-    let (wants, multi) = match (req.resource, req.resources) {
-        (Some(resource), None) => (vec![ResourceCost { resource, cost: req.cost.unwrap_or(1) }], false),
-        (None, Some(list)) => {
-            if req.cost.is_some() {
-                return Err(Error::invalid("cost", "with `resources`, each entry carries its own cost"));
-            }
-            if list.is_empty() || list.len() > MAX_RESOURCES {
-                return Err(Error::invalid(
-                    "resources",
-                    format!("must name 1 to {MAX_RESOURCES} quotas, got {}", list.len()),
-                ));
-            }
-            (list, true)
-        }
-        (Some(_), Some(_)) => {
-            return Err(Error::invalid("resources", "name either `resource` or `resources`, not both"))
-        }
-        (None, None) => {
-            return Err(Error::invalid("resource", "missing field `resource` (or `resources`)"));
-        }
-    };
-    let field = |single| if multi { "resources" } else { single };
-    for (i, w) in wants.iter().enumerate() {
-        quota_shared::ids::validate_id(&w.resource)
-            .map_err(|e| Error::invalid(field("resource"), format!("{:?} {e}", w.resource)))?;
-        if !(1..=MAX_COST).contains(&w.cost) {
-            return Err(Error::invalid(
-                field("cost"),
-                format!("cost must be between 1 and {MAX_COST}, got {}", w.cost),
-            ));
-        }
-        if wants[..i].iter().any(|o| o.resource == w.resource) {
-            return Err(Error::invalid("resources", format!("{:?} is named twice", w.resource)));
-        }
-    }
-    if let Some(r) = &req.request_id {
-        if !visible_ascii(r, MAX_REQUEST_ID_LEN) {
-            return Err(Error::invalid(
-                "request_id",
-                format!("must be 1 to {MAX_REQUEST_ID_LEN} visible ASCII characters"),
-            ));
-        }
-    }
-    if let Some(k) = &req.key {
-        if !visible_ascii(k, MAX_KEY_LEN) {
-            return Err(Error::invalid(
-                "key",
-                format!("must be 1 to {MAX_KEY_LEN} visible ASCII characters"),
-            ));
-        }
-    }
-    Ok(Acquire { tenant: req.tenant, wants, multi, request_id: req.request_id, key: req.key })
-}
-
-/// `POST /v1/acquire`: one admission decision.
-#[utoipa::path(
-    post,
-    path = "/v1/acquire",
-    request_body = AcquireRequest,
-    responses(
-        (status = 200, description = "Admitted: {allowed: true, source: lease|fallback, window_start, remaining, key_remaining (with a per-key limit: whole tokens left in the key's bucket), shadow_refused (a policy in shadow mode: true where an enforced one would answer 429; then source is shadow and limit names what would have refused)}; with `resources`, also results: [{resource, source, window_start, remaining, key_remaining?, shadow_refused?, limit?}] in the request's order, the top-level fields then being those of the quota with the fewest tokens left; carries RateLimit-Policy and RateLimit for the most restrictive limit"),
-        (status = 400, description = "Malformed JSON", body = quota_shared::wire::ErrorBody),
-        (status = 404, description = "unknown_quota: the allocator has no policy for it", body = quota_shared::wire::ErrorBody),
-        (status = 413, description = "payload_too_large: the body is over 64 KiB", body = quota_shared::wire::ErrorBody),
-        (status = 422, description = "Invalid value; the message names the field (also: key missing for a quota with a per-key limit, cost above its burst, both or neither of resource and resources, a quota named twice)", body = quota_shared::wire::ErrorBody),
-        (status = 409, description = "request_id_mismatch: the request_id was first used with other resources or costs (tenant-wide, until its window ends)", body = quota_shared::wire::ErrorBody),
-        (status = 429, description = "quota_exhausted (limit: the resource; only when the allocator said the pool is empty) or per_key_limited (limit: per_key; the key's bucket holds less than the cost, Retry-After from its refill), with allowed: false, resource (the quota that refused; nothing was debited on any), retry_after_s, Retry-After, RateLimit-Policy and RateLimit"),
-        (status = 503, description = "allocator_unreachable (strict mode) or store_unavailable, with Retry-After"),
-    ),
-    tag = "agent"
-)]
-#[tracing::instrument(skip_all, fields(tenant = Empty, resource = Empty, cost = Empty, outcome = Empty))]
-pub(crate) async fn acquire(
-    State(app): State<AppState>,
-    body: std::result::Result<Bytes, BytesRejection>,
-) -> Response {
-    let started = Instant::now();
-    let mut policies = Vec::new();
-    let span = tracing::Span::current();
-    let req = match parse(body) {
-        Ok(r) => r,
-        Err(e) => {
-            span.record("outcome", e.code());
-            app.metrics.inc("agent_acquire_total", &[("outcome", e.code())]);
-            app.metrics.observe("agent_acquire_seconds", &[], started.elapsed().as_secs_f64());
-            let mut resp = e.into_response();
-            // Every answer carries the headers; no policy is known here.
-            let now = app.clock.now_utc();
-            crate::headers::rate_limit_headers(resp.headers_mut(), "unknown", None, Some(0), None, now);
-            return resp;
-        }
-    };
-    span.record("tenant", req.tenant.as_str());
-    span.record("resource", req.wants.iter().map(|w| w.resource.as_str()).collect::<Vec<_>>().join(","));
-    span.record("cost", req.wants.iter().map(|w| w.cost).sum::<i64>());
-    let result = decide(&app, &req, &mut policies).await;
-    let now = app.clock.now_utc();
-    let name = |i: usize| format!("{}/{}", req.tenant, req.wants[i].resource);
-    // The quota the headers describe, its balance and its key's.
-    let (outcome, shown, mut resp) = match result {
-        Ok(d) => {
-            let results: Vec<serde_json::Value> = d
-                .parts
-                .iter()
-                .enumerate()
-                .map(|(i, p)| part_json(&req.wants[i].resource, p, &policies, i))
-                .collect();
-            // The top level: the quota with the fewest tokens left (the
-            // one a client backs off for first).
-            let top = (0..d.parts.len())
-                .min_by_key(|&i| (d.parts[i].shadow.is_some(), d.parts[i].admit.remaining))
-                .unwrap_or(0);
-            let mut body = results.get(top).cloned().unwrap_or_else(|| json!({}));
-            if let Some(o) = body.as_object_mut() {
-                o.remove("resource");
-            }
-            body["allowed"] = json!(true);
-            if req.multi {
-                body["results"] = json!(results);
-            }
-            let sources: Vec<&str> = d.parts.iter().map(|p| p.outcome()).collect();
-            let outcome = if sources.contains(&"shadow_refused") {
-                "shadow_refused"
-            } else if sources.contains(&"fallback") {
-                "fallback"
-            } else {
-                "lease"
-            };
-            if outcome == "fallback" {
-                app.metrics.inc("agent_fallback_admits_total", &[]);
-            }
-            for (i, p) in d.parts.iter().enumerate() {
-                count(&app, &name(i), policies.get(i).copied(), p.outcome());
-            }
-            // The headers: of every quota's limits (its pool, its key's
-            // bucket), the one with the fewest units left.
-            let shown = |i: usize| {
-                let p = &d.parts[i];
-                // As for a refusal: a key's says nothing of the quota's balance.
-                let remaining = match p.shadow {
-                    Some(Shadow::PerKey) => None,
-                    _ => Some(p.admit.remaining),
-                };
-                (i, remaining, p.admit.key_remaining)
-            };
-            let tightest = (0..d.parts.len())
-                .min_by_key(|&i| {
-                    let (_, r, k) = shown(i);
-                    crate::headers::header_limit(&name(i), policies.get(i).copied(), r, k, now).r
-                })
-                .unwrap_or(top);
-            (outcome, shown(tightest), (StatusCode::OK, Json(body)).into_response())
-        }
-        Err((e, at)) => {
-            let shown = match (&e, at) {
-                // A key's refusal says nothing of the quota's balance: the
-                // headers then describe the key's bucket.
-                (Error::KeyLimited { remaining, .. }, Some(i)) => (i, None, Some(*remaining)),
-                (_, Some(i)) => (i, Some(0), None),
-                (_, None) => (0, Some(0), None),
-            };
-            let code = e.code();
-            for i in 0..req.wants.len() {
-                if at.is_none_or(|a| a == i) {
-                    count(&app, &name(i), policies.get(i).copied(), code);
-                }
-            }
-            (code, shown, e.into_response())
-        }
-    };
-    span.record("outcome", outcome);
-    let (i, remaining, key_remaining) = shown;
-    tracing::debug!(remaining, "acquire answered");
-    let policy = policies.get(i).copied();
-    crate::headers::rate_limit_headers(resp.headers_mut(), &name(i), policy, remaining, key_remaining, now);
-    app.metrics.inc("agent_acquire_total", &[("outcome", outcome)]);
-    app.metrics.observe("agent_acquire_seconds", &[], started.elapsed().as_secs_f64());
-    resp
-}
-
-/// One quota's counts of an answer (refusal gauges, fleet status).
-fn count(app: &AppState, name: &str, policy: Option<PolicyInfo>, outcome: &str) {
-    crate::gauges::count_refusal(&app.metrics, name, policy.is_some(), outcome);
-    app.fleet_status.count(name, policy, outcome, app.allocator_now());
-}
-
-/// One quota's part of an admit's body.
-fn part_json(resource: &str, p: &Paid, policies: &[PolicyInfo], i: usize) -> serde_json::Value {
-    let a = &p.admit;
-    let mut v = json!({
-        "resource": resource,
-        "source": a.source,
-        "window_start": Utc.timestamp_opt(a.window_start, 0).single().unwrap_or_default(),
-        "remaining": a.remaining,
-    });
-    if let Some(k) = a.key_remaining {
-        v["key_remaining"] = json!(k);
-    }
-    if policies.get(i).is_some_and(|p| !p.enforce) {
-        v["shadow_refused"] = json!(p.shadow.is_some());
-    }
-    if let Some(s) = p.shadow {
-        v["limit"] = json!(s.limit(resource));
-    }
-    v
 }
 
 /// Waits until the renewer reports, at most `d`.
@@ -430,7 +145,7 @@ pub struct Paid {
 
 impl Paid {
     /// The outcome label of this quota's part.
-    fn outcome(&self) -> &'static str {
+    pub fn outcome(&self) -> &'static str {
         match (&self.shadow, self.admit.source.as_str()) {
             (Some(_), _) => "shadow_refused",
             (None, "fallback") => "fallback",
@@ -1072,35 +787,5 @@ mod step_tests {
             tries += 1;
         }
         assert!(waited >= B && tries <= 2, "{waited:?} {tries}");
-    }
-}
-
-#[cfg(test)]
-mod parse_tests {
-    use super::*;
-
-    fn field_of(body: &str) -> String {
-        match parse(Ok(Bytes::from(body.to_string()))) {
-            Err(Error::InvalidField { field, .. }) => field,
-            other => panic!("{body}: {other:?}"),
-        }
-    }
-
-    #[test]
-    fn a_bad_value_names_its_field() {
-        let cases = [
-            (r#"{"tenant": "a", "resource": "r", "key": 7}"#, "key"),
-            (r#"{"tenant": "a", "resource": "r", "cost": "x"}"#, "cost"),
-            (r#"{"tenant": 1, "resource": "r"}"#, "tenant"),
-            (r#"{"tenant": "a", "resource": "r", "request_id": []}"#, "request_id"),
-            (r#"{"tenant": "a"}"#, "resource"),
-            (r#"{"tenant": "a", "resource": "r", "colour": 1}"#, "colour"),
-            (r#"{"tenant": "a", "resource": "r", "key": "a b"}"#, "key"),
-            (r#"[]"#, "body"),
-        ];
-        for (body, field) in cases {
-            assert_eq!(field_of(body), field, "{body}");
-        }
-        assert!(matches!(parse(Ok(Bytes::from_static(b"{not json"))), Err(Error::MalformedJson(_))));
     }
 }
