@@ -10,9 +10,10 @@
 //!
 //! * takes no fallback before the region's *legacy gate*: the last
 //!   instant a legacy agent may have been alive (its liveness key seen,
-//!   plus that key's life). The gate moves at every heartbeat that sees one
-//!   (`lua/legacy.lua`) and is sent to every spend run, which compares it
-//!   with the region's one clock (Redis `TIME`);
+//!   plus that key's life). Every agent looks every second (a timer of its
+//!   own); a look that sees one moves the gate (`lua/legacy.lua`), one that
+//!   fails closes it until the next. The gate is sent to every spend run,
+//!   which compares it with the region's one clock (Redis `TIME`);
 //! * after the gate, adds what the legacy layout's fallback counter of the
 //!   window holds (frozen: nobody writes it any more) to its own, read just
 //!   before the spend run, on the fallback path only. The gate is sent
@@ -22,17 +23,18 @@
 //!   counters of its quotas into outboxes and sends them, retires expired
 //!   legacy leases (their unspent tokens go back), and adopts the outboxes
 //!   of gone agents under both layouts;
-//! * stops looking at a quota's legacy keys once they are empty and the
-//!   gate has passed.
+//! * stops sweeping a quota's legacy keys once they are empty and the gate
+//!   passed a window ago (again when a legacy agent shows up); the frozen
+//!   count is read on the fallback path while the region has a gate at all.
 //!
 //! Not covered: starting an older agent in a region already upgraded
-//! (a downgrade) is seen at the next heartbeat of a new agent, not before;
+//! (a downgrade) is seen at the next look of a new agent, not before;
 //! per-key buckets and request-id records start afresh in the new layout
 //! (a key may get up to one burst more in the region, a retry that crosses
 //! the upgrade may be decided again; both within the bound).
 
 use crate::keys::{Keys, Layout};
-use crate::store::Store;
+use crate::store::{Store, StoreError};
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -45,14 +47,19 @@ pub const LIVE_LEGACY: &str = "1";
 /// spend run waits in its quota's queue (two Redis timeouts) after the
 /// legacy count it carries was read.
 pub const READ_SLACK_MS: i64 = 5_000;
-/// Most legacy agents looked at per heartbeat.
-const MAX_LOOKED_AT: usize = 64;
+/// Most legacy agents looked at per look; a larger legacy agent set counts
+/// as one with a live agent (no sample may miss one).
+const MAX_LOOKED_AT: usize = 256;
+/// How often the region is looked at: well within the gate's margin (the
+/// liveness key's 10 s and [`READ_SLACK_MS`]), on a timer of its own so a
+/// slow outbox round cannot hold it.
+pub const LOOK_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// This agent's view of the region's legacy gate.
 #[derive(Debug)]
 pub struct Gate {
-    /// Redis clock ms; no fallback in a window that started at or before
-    /// it. `i64::MAX` until the first heartbeat looked (no fallback).
+    /// Redis clock ms; no fallback before it. `i64::MAX` until the first
+    /// look, and after a look that failed (no fallback).
     until_ms: AtomicI64,
     /// Whether the last look found a legacy agent alive.
     legacy_live: AtomicBool,
@@ -79,6 +86,13 @@ impl Gate {
         }
     }
 
+    /// Whether the region ever had a legacy gate (a legacy agent seen in the
+    /// gate key's life): then a spend run that may take fallback adds the
+    /// legacy layout's count of the window.
+    pub fn any(&self) -> bool {
+        self.until_ms() != 0
+    }
+
     /// Whether no legacy agent has written for `window_secs` and a second
     /// (none alive, gate passed that long ago): then a quota of that
     /// window length whose legacy keys are empty stays empty, and no
@@ -96,36 +110,67 @@ pub fn legacy_alive(values: &[Option<String>]) -> bool {
     values.iter().flatten().any(|v| v != LIVE_TENANT)
 }
 
-/// One look at the region (at a heartbeat of a tenant-layout agent): are
-/// legacy agents alive, and where is the gate now.
+/// One look at the region (by an agent of the tenant layout, every
+/// [`LOOK_EVERY`]): are legacy agents alive, and where is the gate now. A
+/// look that cannot read everything closes the gate until the next one.
 pub async fn look(store: &Store, keys: &Keys, region: &str, me: &str, live_ttl_ms: i64, gate: &Gate) {
     if keys.layout() == Layout::Legacy {
         return;
     }
+    match legacy_live(store, keys, region, me).await {
+        Ok(live) => {
+            let until_key = keys.region_legacy_until(region);
+            match crate::scripts::legacy_gate(store, &until_key, live, live_ttl_ms).await {
+                Ok(until) => {
+                    if live && !gate.legacy_live.load(Ordering::Relaxed) {
+                        tracing::warn!(region, "an agent of the legacy key layout is alive in the region: no fallback allowance in the tenant layout until it is gone");
+                    }
+                    gate.legacy_live.store(live, Ordering::Relaxed);
+                    gate.until_ms.store(until, Ordering::Relaxed);
+                    return;
+                }
+                Err(e) => tracing::debug!(error = %e, "legacy gate not refreshed"),
+            }
+        }
+        Err(e) => tracing::debug!(error = %e, "legacy agents not looked at"),
+    }
+    gate.until_ms.store(i64::MAX, Ordering::Relaxed);
+}
+
+/// Whether an agent of the legacy layout is alive in the region: every id
+/// of the legacy agent set (at most [`MAX_LOOKED_AT`]; a larger set counts
+/// as yes) with its liveness value.
+async fn legacy_live(store: &Store, keys: &Keys, region: &str, me: &str) -> Result<bool, StoreError> {
     let set = keys.legacy_region_agents(region);
-    let Ok(agents) = store.cmd::<Vec<String>>(redis::cmd("SRANDMEMBER").arg(&set).arg(MAX_LOOKED_AT)).await
-    else {
-        return;
-    };
+    let n: usize = store.cmd(redis::cmd("SCARD").arg(&set)).await?;
+    if n > MAX_LOOKED_AT {
+        return Ok(true);
+    }
+    let agents: Vec<String> = store.cmd(redis::cmd("SMEMBERS").arg(&set)).await?;
     let mut values = Vec::with_capacity(agents.len());
     for a in agents.iter().filter(|a| *a != me) {
         // One GET per agent: their keys sit in different Cluster slots.
-        match store.cmd::<Option<String>>(redis::cmd("GET").arg(keys.agent_live(region, a))).await {
-            Ok(v) => values.push(v),
-            Err(_) => return,
-        }
+        values.push(store.cmd::<Option<String>>(redis::cmd("GET").arg(keys.agent_live(region, a))).await?);
     }
-    let live = legacy_alive(&values);
-    let until_key = keys.region_legacy_until(region);
-    match crate::scripts::legacy_gate(store, &until_key, live, live_ttl_ms).await {
-        Ok(until) => {
-            if live && !gate.legacy_live.load(Ordering::Relaxed) {
-                tracing::warn!(region, "an agent of the legacy key layout is alive in the region: no fallback allowance in the tenant layout until it is gone");
-            }
-            gate.legacy_live.store(live, Ordering::Relaxed);
-            gate.until_ms.store(until, Ordering::Relaxed);
+    Ok(legacy_alive(&values))
+}
+
+/// Looks at the region every [`LOOK_EVERY`] until `cancel`.
+pub async fn run(
+    store: Store,
+    keys: Keys,
+    region: String,
+    me: String,
+    live_ttl_ms: i64,
+    gate: std::sync::Arc<Gate>,
+    cancel: tokio_util::sync::CancellationToken,
+) {
+    loop {
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = tokio::time::sleep(LOOK_EVERY) => {}
         }
-        Err(e) => tracing::debug!(error = %e, "legacy gate not refreshed"),
+        look(&store, &keys, &region, &me, live_ttl_ms, &gate).await;
     }
 }
 

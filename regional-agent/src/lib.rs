@@ -366,6 +366,19 @@ pub async fn run(
     // Each task gets handles on the parts it uses; `app` keeps owning them.
     let outbox_parts = OutboxParts::of(&app);
     outbox::heartbeat(&outbox_parts).await;
+    // The legacy gate before the first request (no fallback until looked).
+    let live_ttl = outbox::live_ttl(app.settings.outbox_interval).as_millis() as i64;
+    let (region, me) = (app.settings.region.clone(), app.settings.agent.clone());
+    legacy::look(&app.store, &app.keys, &region, &me, live_ttl, &app.legacy).await;
+    app.spawn(legacy::run(
+        app.store.clone(),
+        app.keys.clone(),
+        region,
+        me,
+        live_ttl,
+        app.legacy.clone(),
+        app.cancel.clone(),
+    ));
     // The outbox's own state (adopted identities, retries), shared by its
     // task and the final drain.
     let outboxes = Arc::new(Outboxes::default());
@@ -387,6 +400,13 @@ pub async fn run(
         tokio::spawn(rls::serve(app.clone(), mapping, l, grpc_stop.clone()))
     });
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    // Set when the shutdown signal arrives: in-flight HTTP and gRPC calls
+    // share one deadline.
+    let stopping_at = Arc::new(std::sync::OnceLock::<tokio::time::Instant>::new());
+    let requests_deadline = {
+        let at = stopping_at.clone();
+        move || *at.get_or_init(|| tokio::time::Instant::now() + SHUTDOWN_REQUESTS)
+    };
     let mut server = tokio::spawn(
         axum::serve(listener, router(app.clone()))
             .with_graceful_shutdown(async move {
@@ -399,7 +419,7 @@ pub async fn run(
         _ = shutdown => {
             let _ = stop_tx.send(());
             grpc_stop.cancel();
-            match tokio::time::timeout(SHUTDOWN_REQUESTS, &mut server).await {
+            match tokio::time::timeout_at(requests_deadline(), &mut server).await {
                 Ok(r) => r,
                 Err(_) => {
                     tracing::warn!(deadline_ms = SHUTDOWN_REQUESTS.as_millis() as u64,
@@ -412,7 +432,8 @@ pub async fn run(
     };
     grpc_stop.cancel();
     if let Some(mut g) = grpc {
-        if tokio::time::timeout(SHUTDOWN_REQUESTS, &mut g).await.is_err() {
+        // The same deadline as the HTTP server's: both stop in parallel.
+        if tokio::time::timeout_at(requests_deadline(), &mut g).await.is_err() {
             tracing::warn!("in-flight gRPC calls cut at the shutdown deadline");
             g.abort();
         }

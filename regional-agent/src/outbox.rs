@@ -251,8 +251,7 @@ pub async fn run(app: OutboxParts, ob: Arc<Outboxes>) {
 }
 
 /// Refreshes this agent's liveness key (its value says the agent's key
-/// layout), lists it in its layout's agent set, and looks at the region's
-/// legacy gate (see [`crate::legacy`]).
+/// layout, see [`crate::legacy`]) and lists it in its layout's agent set.
 pub async fn heartbeat(app: &OutboxParts) {
     let (region, agent) = (&app.settings.region, &app.settings.agent);
     let ttl = live_ttl(app.settings.outbox_interval).as_millis() as u64;
@@ -268,7 +267,6 @@ pub async fn heartbeat(app: &OutboxParts) {
     let _: Result<i64, _> = app.store.cmd(redis::cmd("SADD").arg(&set).arg(agent)).await;
     // A region nobody runs in any more leaves nothing behind (F04).
     let _: Result<i64, _> = app.store.cmd(redis::cmd("PEXPIRE").arg(&set).arg(COUNTER_TTL_MS)).await;
-    crate::legacy::look(&app.store, &app.keys, region, agent, ttl as i64, &app.legacy).await;
 }
 
 /// Repeats rounds until every outbox is empty or `deadline` passes (at
@@ -314,7 +312,9 @@ pub async fn drain_all(app: &OutboxParts, ob: &Outboxes, until: Option<Instant>)
             break;
         }
         let mut drained = drain_list(app, ob, &q.prefix, &q.tenant, &q.resource, &me, true).await;
-        if app.keys.layout() == Layout::Tenant && !q.legacy_done.load(Ordering::Relaxed) {
+        let window_secs = q.policy().map_or(i64::MAX / 2000, |p| p.window_secs);
+        let done = q.legacy_done.load(Ordering::Relaxed) && app.legacy.passed(window_secs);
+        if app.keys.layout() == Layout::Tenant && !done {
             drained = match drained {
                 Ok(n) => sweep_legacy(app, ob, q, &me).await.map(|l| n + l),
                 e => e,
@@ -367,8 +367,10 @@ async fn sweep_legacy(app: &OutboxParts, ob: &Outboxes, q: &Quota, me: &Sender) 
     }
     let left = drain_list(app, ob, &prefix, &q.tenant, &q.resource, me, true).await?;
     let window_secs = q.policy().map_or(i64::MAX / 2000, |p| p.window_secs);
-    if live == 0 && left == 0 && app.legacy.passed(window_secs) {
-        q.legacy_done.store(true, Ordering::Relaxed);
+    let done = live == 0 && left == 0 && app.legacy.passed(window_secs);
+    if !done {
+        q.legacy_done.store(false, Ordering::Relaxed);
+    } else if !q.legacy_done.swap(true, Ordering::Relaxed) {
         tracing::debug!(tenant = %q.tenant, resource = %q.resource, "the quota's legacy keys are empty");
     }
     Ok(left)

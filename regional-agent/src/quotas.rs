@@ -194,7 +194,8 @@ pub struct Quota {
     /// Requests waiting for the quota's next spend run (see [`crate::batch`]).
     pub spends: Arc<SpendQueue>,
     /// The quota's legacy-layout keys were found empty after the region's
-    /// legacy gate passed (see [`crate::legacy`]): not looked at again.
+    /// legacy gate passed (see [`crate::legacy`]): not swept again while
+    /// the gate stays passed.
     pub legacy_done: AtomicBool,
 }
 

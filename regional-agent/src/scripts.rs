@@ -117,8 +117,8 @@ impl LossCause {
 /// What every decision of one spend run shares on one quota.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Common {
-    /// The legacy gate (Redis clock, ms; 0 for none): no fallback in a
-    /// window that started at or before it (see `crate::legacy`).
+    /// The legacy gate (Redis clock, ms; 0 for none): no fallback before
+    /// it (see `crate::legacy`).
     pub legacy_until_ms: i64,
     /// Whether the region's fallback allowance may be used.
     pub fallback: bool,

@@ -19,7 +19,6 @@ use crate::scripts::{self, Admit, Ask, Caller, Common, On, Outcome, Part, Spend}
 use quota_shared::window::Window;
 use quota_shared::wire::FailMode;
 use serde::Deserialize;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -274,12 +273,15 @@ pub(crate) async fn decide(
     // A quota in shadow mode that would refuse is left out and the others
     // decided again (at most once per quota).
     let mut shadow: Vec<Option<(Shadow, Error)>> = (0..qs.len()).map(|_| None).collect();
+    // Demand is counted by the first run of the request only, also across
+    // the runs after a shadow-mode quota was left out.
+    let mut counted = false;
     let decided = loop {
         let active: Vec<usize> = (0..qs.len()).filter(|&i| shadow[i].is_none()).collect();
         if active.is_empty() {
             break Ok(Vec::new());
         }
-        match spend_with_waits(app, &qs, policies, req, &active).await {
+        match spend_with_waits(app, &qs, policies, req, &active, &mut counted).await {
             Ok(admits) => break Ok(admits),
             Err((e, Some(i))) if !policies[i].enforce && Shadow::of(&e).is_some() => {
                 shadow[i] = Shadow::of(&e).map(|s| (s, e));
@@ -414,18 +416,18 @@ async fn spend_with_waits(
     ps: &[PolicyInfo],
     req: &Acquire,
     active: &[usize],
+    // Whether an earlier run of this request already counted its demand.
+    counted: &mut bool,
 ) -> std::result::Result<Vec<Admit>, Refused> {
     // One wait for the renewal the request wakes, then up to one allocator
     // timeout for its answer: a renewal that times out makes the allocator
     // unreachable, which the fail mode then decides.
     let budget = app.settings.acquire_wait + app.settings.allocator_timeout + Duration::from_millis(100);
     let started = Instant::now();
-    // Whether an earlier try of this request already counted its demand.
-    let mut counted = false;
     for _ in 0..MAX_TRIES {
         let reachable = app.allocator_reachable();
         let fallback: Vec<bool> = ps.iter().map(|p| !reachable && p.fail_mode == FailMode::Bounded).collect();
-        let r = match spend_once(app, qs, ps, req, active, &fallback, !counted).await {
+        let r = match spend_once(app, qs, ps, req, active, &fallback, !*counted).await {
             Ok(r) => r,
             Err(e) => {
                 tracing::warn!(tenant = %req.tenant, error = %e, "spend failed");
@@ -452,7 +454,7 @@ async fn spend_with_waits(
                 return Err((Error::KeyLimited { resource, retry_after_ms: retry_ms, remaining }, Some(i)));
             }
         };
-        counted = true;
+        *counted = true;
         let seen = Seen {
             wait_ms,
             exhausted_ms,
@@ -586,7 +588,7 @@ async fn spend_once(
     let mut legacy = vec![None; qs.len()];
     for &i in active {
         let q = &qs[i];
-        if fallback[i] && app.keys.layout() == Layout::Tenant && !q.legacy_done.load(Ordering::Relaxed) {
+        if fallback[i] && app.keys.layout() == Layout::Tenant && app.legacy.any() {
             let ws = Window::containing(app.allocator_now(), ps[i].window_secs).start;
             let allowance = ps[i].fallback_allowance;
             legacy[i] = Some(

@@ -106,6 +106,10 @@ async fn the_envoy_example_matches_the_agents_flags_and_is_decided() {
     let cfg = &filter["typed_config"];
     assert_eq!(s(&cfg["domain"]), tenant, "the domain is the tenant of policies.json");
     assert_eq!(s(&cfg["rate_limit_service"]["transport_api_version"]), "V3");
+    // The filter waits longer than the agent's own budget for a decision
+    // (acquire wait 300 ms + allocator timeout 1000 ms + 100 ms by default).
+    let timeout: f64 = s(&cfg["timeout"]).trim_end_matches('s').parse().expect("timeout in seconds");
+    assert!(timeout > 1.4, "the filter's timeout {timeout}s is shorter than the agent's decision budget");
     let cluster_name = s(&cfg["rate_limit_service"]["grpc_service"]["envoy_grpc"]["cluster_name"]);
     let cluster = all(&envoy, "clusters")
         .into_iter()
