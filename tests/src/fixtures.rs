@@ -1,9 +1,11 @@
 //! Domain helpers over the allocator API for tests: write a policy, register
 //! an agent, ask for a grant, read the database's pool rows.
 
-use crate::app::TestAllocator;
+use crate::app::{Options, TestAllocator};
 use crate::http::{Http, Resp};
+use quota_shared::clock::OffsetClock;
 use serde_json::{json, Value};
+use std::sync::Arc;
 
 /// A running allocator with a database and a client.
 pub struct Stack {
@@ -20,6 +22,24 @@ impl Stack {
         let http = Http::new(&alloc.base);
         Stack { db, alloc, http }
     }
+}
+
+/// PostgreSQL plus one allocator standing at `now` (its own clock, moved
+/// by the test; `None`: the real time until set), and a client: the set-up
+/// of every test that steps the allocator through time.
+pub async fn clocked(
+    now: Option<chrono::DateTime<chrono::Utc>>,
+) -> (crate::pg::TestDb, Arc<OffsetClock>, TestAllocator, Http) {
+    let db = crate::pg::TestDb::start().await;
+    let clock = Arc::new(OffsetClock::default());
+    if let Some(now) = now {
+        clock.set_now(now);
+    }
+    let alloc =
+        TestAllocator::spawn_with(&db.url, Options { clock: Some(clock.clone()), ..Default::default() })
+            .await;
+    let http = Http::new(&alloc.base);
+    (db, clock, alloc, http)
 }
 
 /// `PUT /v1/policies/{tenant}/{resource}`, expecting 200.

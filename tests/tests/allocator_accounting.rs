@@ -2,12 +2,10 @@
 //! endpoints, against a real PostgreSQL.
 
 use chrono::{DateTime, Utc};
-use quota_shared::clock::OffsetClock;
 use quota_tests::app::{Options, TestAllocator};
-use quota_tests::fixtures::{grant, grant_body, put_policy, register, Stack};
+use quota_tests::fixtures::{clocked, grant, grant_body, put_policy, register, Stack};
 use quota_tests::http::Http;
 use serde_json::json;
-use std::sync::Arc;
 
 fn at(s: &str) -> DateTime<Utc> {
     DateTime::parse_from_rfc3339(s).unwrap().with_timezone(&Utc)
@@ -15,13 +13,7 @@ fn at(s: &str) -> DateTime<Utc> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn release_returns_unspent_only_while_the_window_is_open_and_is_idempotent() {
-    let db = quota_tests::pg::TestDb::start().await;
-    let clock = Arc::new(OffsetClock::default());
-    clock.set_now(at("2026-12-02T10:00:10Z"));
-    let alloc =
-        TestAllocator::spawn_with(&db.url, Options { clock: Some(clock.clone()), ..Default::default() })
-            .await;
-    let http = Http::new(&alloc.base);
+    let (_db, clock, _alloc, http) = clocked(Some(at("2026-12-02T10:00:10Z"))).await;
     put_policy(&http, "atlas", "read", json!({"limit": 1000, "window_secs": 60, "chunk_max": 500})).await;
     let epoch = register(&http, "eu", "eu-1").await;
     let a = grant(&http, &grant_body("atlas", "read", "eu", "eu-1", epoch, 1, 100, 5.0)).await.expect(200);
@@ -124,13 +116,7 @@ async fn reports_apply_exactly_once_and_window_accounting_shows_the_bound() {
 /// A clocked allocator with `atlas/read` at limit 1000 per 60 s window,
 /// 100 fallback per region, inside the window 10:00; `eu` and `us` registered.
 async fn fallback_window() -> (quota_tests::pg::TestDb, TestAllocator, Http, i64, i64) {
-    let db = quota_tests::pg::TestDb::start().await;
-    let clock = Arc::new(OffsetClock::default());
-    clock.set_now(at("2026-12-02T10:00:10Z"));
-    let alloc =
-        TestAllocator::spawn_with(&db.url, Options { clock: Some(clock.clone()), ..Default::default() })
-            .await;
-    let http = Http::new(&alloc.base);
+    let (db, _clock, alloc, http) = clocked(Some(at("2026-12-02T10:00:10Z"))).await;
     put_policy(
         &http,
         "atlas",

@@ -5,12 +5,10 @@
 
 use allocator::retention::{self, Retention};
 use chrono::{Duration, Utc};
-use quota_shared::clock::OffsetClock;
-use quota_tests::app::{Options, TestAllocator};
-use quota_tests::fixtures::{put_policy, register};
+use quota_tests::app::TestAllocator;
+use quota_tests::fixtures::{clocked, put_policy, register};
 use quota_tests::http::Http;
 use serde_json::{json, Value};
-use std::sync::Arc;
 
 fn status(epoch: i64, quotas: Vec<Value>) -> Value {
     json!({"epoch": epoch, "allocator_reachable": true, "outbox_depth": 3, "dead_letters": null,
@@ -84,12 +82,7 @@ async fn a_status_replaces_the_agents_row_and_a_bad_one_is_refused_naming_the_pr
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn statuses_not_refreshed_within_the_horizon_are_deleted() {
-    let db = quota_tests::pg::TestDb::start().await;
-    let clock = Arc::new(OffsetClock::default());
-    let alloc =
-        TestAllocator::spawn_with(&db.url, Options { clock: Some(clock.clone()), ..Default::default() })
-            .await;
-    let http = Http::new(&alloc.base);
+    let (_db, clock, alloc, http) = clocked(None).await;
     let pg = alloc.state.db.clone();
     clock.set_now(Utc::now() - Duration::days(8));
     let gone = register(&http, "eu", "eu-gone").await;

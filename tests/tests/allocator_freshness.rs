@@ -5,9 +5,7 @@
 //! and `explain ?at=` answers as of its instant.
 
 use chrono::{DateTime, Utc};
-use quota_shared::clock::OffsetClock;
-use quota_tests::app::{Options, TestAllocator};
-use quota_tests::fixtures::{grant, grant_body, put_policy, register, report_body, Stack};
+use quota_tests::fixtures::{clocked, grant, grant_body, put_policy, register, report_body, Stack};
 use quota_tests::http::Http;
 use quota_tests::wait;
 use serde_json::{json, Value};
@@ -284,12 +282,7 @@ async fn ledger_writes_outside_read_committed_are_refused_rather_than_risk_a_ski
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn explain_at_an_instant_does_not_count_what_happened_after_it_and_names_each_instant() {
-    let db = quota_tests::pg::TestDb::start().await;
-    let clock = std::sync::Arc::new(OffsetClock::default());
-    let _alloc =
-        TestAllocator::spawn_with(&db.url, Options { clock: Some(clock.clone()), ..Default::default() })
-            .await;
-    let http = Http::new(&_alloc.base);
+    let (_db, clock, _alloc, http) = clocked(None).await;
     clock.set_now(at("2026-12-02T10:00:05Z"));
     put_policy(
         &http,

@@ -2,13 +2,13 @@
 //! allocator replicas, I2 clamp, I3 replay and mismatch, I4 stale epochs.
 
 use chrono::{DateTime, Duration, Utc};
-use quota_shared::clock::OffsetClock;
 use quota_tests::app::{Options, TestAllocator};
-use quota_tests::fixtures::{grant, grant_body, pool_rows, put_policy, register, table_counts, Stack};
+use quota_tests::fixtures::{
+    clocked, grant, grant_body, pool_rows, put_policy, register, table_counts, Stack,
+};
 use quota_tests::http::Http;
 use rand::Rng;
 use serde_json::json;
-use std::sync::Arc;
 
 fn at(s: &str) -> DateTime<Utc> {
     DateTime::parse_from_rfc3339(s).unwrap().with_timezone(&Utc)
@@ -87,13 +87,7 @@ async fn i1_four_allocators_500_concurrent_grants_never_oversubscribe_the_pool()
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn i2_lease_is_clamped_to_the_window_end() {
-    let db = quota_tests::pg::TestDb::start().await;
-    let clock = Arc::new(OffsetClock::default());
-    clock.set_now(at("2026-12-02T10:00:30Z"));
-    let alloc =
-        TestAllocator::spawn_with(&db.url, Options { clock: Some(clock.clone()), ..Default::default() })
-            .await;
-    let http = Http::new(&alloc.base);
+    let (_db, clock, alloc, http) = clocked(Some(at("2026-12-02T10:00:30Z"))).await;
     put_policy(&http, "atlas", "read", json!({"limit": 1000, "window_secs": 60, "lease_ttl_secs": 30})).await;
     let epoch = register(&http, "eu", "eu-1").await;
     // 300 ms before a UTC minute ends, set just before the grant: the
@@ -131,13 +125,7 @@ async fn i2_lease_is_clamped_to_the_window_end() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn i2_next_window_only_within_the_last_lease_ttl_and_clamped_to_its_end() {
-    let db = quota_tests::pg::TestDb::start().await;
-    let clock = Arc::new(OffsetClock::default());
-    clock.set_now(at("2026-12-02T10:00:20Z"));
-    let alloc =
-        TestAllocator::spawn_with(&db.url, Options { clock: Some(clock.clone()), ..Default::default() })
-            .await;
-    let http = Http::new(&alloc.base);
+    let (_db, clock, _alloc, http) = clocked(Some(at("2026-12-02T10:00:20Z"))).await;
     put_policy(&http, "atlas", "read", json!({"limit": 1000, "window_secs": 60, "lease_ttl_secs": 10})).await;
     let epoch = register(&http, "eu", "eu-1").await;
     let mut body = grant_body("atlas", "read", "eu", "eu-1", epoch, 1, 50, 10.0);

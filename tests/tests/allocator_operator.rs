@@ -4,32 +4,22 @@
 //! the OpenAPI document.
 
 use chrono::{DateTime, Duration, Utc};
-use quota_shared::clock::OffsetClock;
 use quota_tests::app::{Options, TestAllocator};
-use quota_tests::fixtures::{grant, grant_body, operator_scenario, put_policy, register, report_body, Stack};
+use quota_tests::fixtures::{
+    clocked, grant, grant_body, operator_scenario, put_policy, register, report_body, Stack,
+};
 use quota_tests::http::{Http, Resp};
 use quota_tests::wait;
 use serde_json::{json, Value};
 use std::collections::BTreeSet;
-use std::sync::Arc;
 
 fn at(s: &str) -> DateTime<Utc> {
     DateTime::parse_from_rfc3339(s).unwrap().with_timezone(&Utc)
 }
 
-async fn clocked() -> (quota_tests::pg::TestDb, Arc<OffsetClock>, TestAllocator, Http) {
-    let db = quota_tests::pg::TestDb::start().await;
-    let clock = Arc::new(OffsetClock::default());
-    let alloc =
-        TestAllocator::spawn_with(&db.url, Options { clock: Some(clock.clone()), ..Default::default() })
-            .await;
-    let http = Http::new(&alloc.base);
-    (db, clock, alloc, http)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn scripted_scenario_yields_exact_window_accounting_bound_and_stranded() {
-    let (_db, clock, _alloc, http) = clocked().await;
+    let (_db, clock, _alloc, http) = clocked(None).await;
     operator_scenario(&http, &clock).await;
 
     let w = http
@@ -242,7 +232,7 @@ async fn ledger_ndjson_export_streams_every_matching_event_once_and_filters_are_
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn explain_tells_leased_fallback_exhausted_and_no_demand_apart() {
-    let (_db, clock, _alloc, http) = clocked().await;
+    let (_db, clock, _alloc, http) = clocked(None).await;
     clock.set_now(at("2026-12-02T10:00:05Z"));
     put_policy(
         &http,
@@ -541,7 +531,7 @@ async fn openapi_document_covers_every_route_of_the_router() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn retention_removes_old_ledger_events_and_leases_in_batches_and_windows_still_answer() {
-    let (_db, clock, alloc, http) = clocked().await;
+    let (_db, clock, alloc, http) = clocked(None).await;
     let old = Utc::now() - Duration::days(10);
     clock.set_now(old);
     put_policy(&http, "atlas", "read", json!({"limit": 1000, "window_secs": 60, "fallback_per_region": 5}))

@@ -6,12 +6,9 @@
 
 use allocator::retention::{self, Retention};
 use chrono::{Duration, Utc};
-use quota_shared::clock::OffsetClock;
-use quota_tests::app::{Options, TestAllocator};
-use quota_tests::fixtures::{grant, grant_body, put_policy, register};
+use quota_tests::fixtures::{clocked, grant, grant_body, put_policy, register};
 use quota_tests::http::Http;
 use serde_json::{json, Value};
-use std::sync::Arc;
 
 async fn count(db: &sqlx::PgPool, sql: &str) -> i64 {
     sqlx::query_scalar(sql).fetch_one(db).await.unwrap()
@@ -31,12 +28,7 @@ async fn window(http: &Http, ws: &Value) -> Value {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn old_reports_pools_and_gone_agents_are_deleted_in_batches_and_a_replay_is_refused() {
-    let db = quota_tests::pg::TestDb::start().await;
-    let clock = Arc::new(OffsetClock::default());
-    let alloc =
-        TestAllocator::spawn_with(&db.url, Options { clock: Some(clock.clone()), ..Default::default() })
-            .await;
-    let http = Http::new(&alloc.base);
+    let (_db, clock, alloc, http) = clocked(None).await;
     let pg = alloc.state.db.clone();
     let real_now = Utc::now();
 

@@ -3,23 +3,14 @@
 //! scenario. Chromium is the Debian package `chromium`; without it this test
 //! fails and says so.
 
-use quota_shared::clock::OffsetClock;
-use quota_tests::app::{Options, TestAllocator};
 use quota_tests::chromium::{self, run as run_chromium};
-use quota_tests::fixtures::operator_scenario;
-use quota_tests::http::Http;
-use std::sync::Arc;
+use quota_tests::fixtures::{clocked, operator_scenario};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dashboard_renders_in_headless_chromium_with_the_scenario_numbers() {
     let bin = chromium::binary();
-    let db = quota_tests::pg::TestDb::start().await;
-    let clock = Arc::new(OffsetClock::default());
     // No tokens: the dashboard is open on loopback, so Chromium needs no header.
-    let alloc =
-        TestAllocator::spawn_with(&db.url, Options { clock: Some(clock.clone()), ..Default::default() })
-            .await;
-    let http = Http::new(&alloc.base);
+    let (_db, clock, alloc, http) = clocked(None).await;
     operator_scenario(&http, &clock).await;
     let dir = tempfile::tempdir().expect("tempdir");
 

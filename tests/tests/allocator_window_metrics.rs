@@ -4,13 +4,11 @@
 //! a quota that drops out of the top N leaves its series.
 
 use chrono::{DateTime, Utc};
-use quota_shared::clock::OffsetClock;
 use quota_tests::app::{Options, TestAllocator};
-use quota_tests::fixtures::{grant, grant_body, operator_scenario, put_policy, register};
+use quota_tests::fixtures::{clocked, grant, grant_body, operator_scenario, put_policy, register};
 use quota_tests::http::{metric, Http};
 use quota_tests::wait::until;
 use serde_json::json;
-use std::sync::Arc;
 use std::time::Duration;
 
 fn at(s: &str) -> DateTime<Utc> {
@@ -27,12 +25,7 @@ fn window(text: &str, family: &str, tenant: &str, which: &str, extra: &str) -> O
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn window_gauges_show_the_open_and_previous_window_of_the_scripted_scenario() {
-    let db = quota_tests::pg::TestDb::start().await;
-    let clock = Arc::new(OffsetClock::default());
-    let alloc =
-        TestAllocator::spawn_with(&db.url, Options { clock: Some(clock.clone()), ..Default::default() })
-            .await;
-    let http = Http::new(&alloc.base);
+    let (_db, clock, _alloc, http) = clocked(None).await;
     operator_scenario(&http, &clock).await;
 
     // 10:01:30: window 10:01 is open (reports above the bound), 10:00 closed.
