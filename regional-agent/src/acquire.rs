@@ -8,7 +8,7 @@ use crate::app::AppState;
 use crate::error::{Error, Result};
 use crate::quotas::PolicyInfo;
 use crate::spend::{
-    decide, visible_ascii, Acquire, Paid, ResourceCost, Shadow, MAX_COST, MAX_KEY_LEN, MAX_REQUEST_ID_LEN,
+    decide, visible_ascii, Acquire, Paid, ResourceCost, MAX_COST, MAX_KEY_LEN, MAX_REQUEST_ID_LEN,
     MAX_RESOURCES,
 };
 use axum::body::Bytes;
@@ -231,24 +231,9 @@ pub(crate) async fn acquire(
             for (i, p) in d.parts.iter().enumerate() {
                 count(&app, &name(i), policies.get(i).copied(), p.outcome());
             }
-            // The headers: of every quota's limits (its pool, its key's
-            // bucket), the one with the fewest units left.
-            let shown = |i: usize| {
-                let p = &d.parts[i];
-                // As for a refusal: a key's says nothing of the quota's balance.
-                let remaining = match p.shadow {
-                    Some(Shadow::PerKey) => None,
-                    _ => Some(p.admit.remaining),
-                };
-                (i, remaining, p.admit.key_remaining)
-            };
-            let tightest = (0..d.parts.len())
-                .min_by_key(|&i| {
-                    let (_, r, k) = shown(i);
-                    crate::headers::header_limit(&name(i), policies.get(i).copied(), r, k, now).r
-                })
-                .unwrap_or(top);
-            (outcome, shown(tightest), (StatusCode::OK, Json(body)).into_response())
+            let tightest = d.tightest(name, &policies, now);
+            let (remaining, key_remaining) = d.parts[tightest].shown();
+            (outcome, (tightest, remaining, key_remaining), (StatusCode::OK, Json(body)).into_response())
         }
         Err((e, at)) => {
             let shown = match (&e, at) {

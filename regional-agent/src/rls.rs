@@ -301,17 +301,8 @@ impl Rls {
         let mut retry = None;
         match decided {
             Some(Ok(d)) => {
-                let shown = |i: usize| {
-                    let a = &d.parts[i].admit;
-                    (Some(a.remaining), a.key_remaining)
-                };
-                let tightest = (0..d.parts.len())
-                    .min_by_key(|&i| {
-                        let (r, k) = shown(i);
-                        crate::headers::header_limit(&name(i), policies.get(i).copied(), r, k, now).r
-                    })
-                    .unwrap_or(0);
-                let (r, k) = shown(tightest);
+                let tightest = d.tightest(name, policies, now);
+                let (r, k) = d.parts[tightest].shown();
                 crate::headers::rate_limit_headers(
                     &mut h,
                     &name(tightest),

@@ -159,6 +159,38 @@ pub struct Decided {
     pub parts: Vec<Paid>,
 }
 
+impl Paid {
+    /// What the `RateLimit` headers show of this part: the quota's balance
+    /// (none after a key's shadow refusal, which, as a refusal, says
+    /// nothing of it) and the key's bucket.
+    pub fn shown(&self) -> (Option<i64>, Option<i64>) {
+        let remaining = match self.shadow {
+            Some(Shadow::PerKey) => None,
+            _ => Some(self.admit.remaining),
+        };
+        (remaining, self.admit.key_remaining)
+    }
+}
+
+impl Decided {
+    /// The part whose most restrictive limit (its pool or its key's
+    /// bucket) has the fewest units left: the one the headers describe.
+    /// `name(i)` is part `i`'s `<tenant>/<resource>`.
+    pub fn tightest(
+        &self,
+        name: impl Fn(usize) -> String,
+        policies: &[PolicyInfo],
+        now: chrono::DateTime<chrono::Utc>,
+    ) -> usize {
+        (0..self.parts.len())
+            .min_by_key(|&i| {
+                let (r, k) = self.parts[i].shown();
+                crate::headers::header_limit(&name(i), policies.get(i).copied(), r, k, now).r
+            })
+            .unwrap_or(0)
+    }
+}
+
 /// A refusal, and the index of the quota that refused (none when the
 /// agent could not decide for all of them, or before any was looked at).
 pub(crate) type Refused = (Error, Option<usize>);

@@ -7,7 +7,6 @@ mod common;
 
 use common::World;
 use quota_tests::http::{Http, Resp};
-use regional_agent::keys::Keys;
 use serde_json::{json, Value};
 
 async fn acquire_both(http: &Http, resources: &[(&str, i64)], key: Option<&str>) -> Resp {
@@ -19,16 +18,6 @@ async fn acquire_both(http: &Http, resources: &[(&str, i64)], key: Option<&str>)
         body["key"] = json!(k);
     }
     http.post("/v1/acquire", &body).await
-}
-
-/// Whole tokens in `key`'s bucket of atlas/`resource`, read from Redis.
-async fn bucket_tokens(w: &World, resource: &str, key: &str) -> Option<i64> {
-    let name = Keys::per_key_bucket(&Keys::new("").quota("atlas", resource), key);
-    let client = redis::Client::open(w.redis_url()).expect("redis url");
-    let mut conn = client.get_multiplexed_async_connection().await.expect("redis");
-    let t: Option<String> =
-        redis::cmd("HGET").arg(&name).arg("t").query_async(&mut conn).await.expect("HGET");
-    t.map(|t| t.parse::<i64>().expect("micro-tokens") / 1_000_000)
 }
 
 /// The result of `resource` in an admit's `results`.
@@ -82,7 +71,7 @@ async fn a_key_over_one_quotas_cap_debits_no_quota_and_no_other_bucket() {
     }
     // Alice's read bucket kept its 7 (the write refusal came before any
     // debit), and she may still read alone.
-    assert_eq!(bucket_tokens(&w, "read", "alice").await, Some(7));
+    assert_eq!(w.bucket_tokens("read", "alice").await, Some(7));
     let read =
         a.http.post("/v1/acquire", &json!({"tenant": "atlas", "resource": "read", "key": "alice"})).await;
     assert_eq!(read.expect(200).body["key_remaining"], json!(6));
@@ -90,21 +79,8 @@ async fn a_key_over_one_quotas_cap_debits_no_quota_and_no_other_bucket() {
     acquire_both(&a.http, &both, Some("bob")).await.expect(200);
 
     // The allocator counts 3 reads and 2 writes: the refusals debited no quota.
-    let sum = |w: Vec<Value>| w.iter().map(|x| x["consumed"].as_i64().unwrap_or(0)).sum::<i64>();
-    let counted = quota_tests::wait::poll(
-        std::time::Duration::from_secs(20),
-        std::time::Duration::from_millis(100),
-        || async {
-            let (r, wr) = (sum(w.windows("atlas", "read").await), sum(w.windows("atlas", "write").await));
-            if (r, wr) == (3, 2) {
-                Ok(())
-            } else {
-                Err((r, wr))
-            }
-        },
-    )
-    .await;
-    assert_eq!(counted, Ok(()), "allocator consumed (read, write)");
+    w.wait_consumed("read", 3).await;
+    w.wait_consumed("write", 2).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

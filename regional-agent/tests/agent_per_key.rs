@@ -9,22 +9,11 @@ mod common;
 
 use common::{Tally, World};
 use quota_tests::http::{Http, Resp};
-use regional_agent::keys::Keys;
 use serde_json::json;
 use std::time::{Duration, Instant};
 
 async fn acquire_as(http: &Http, resource: &str, key: &str) -> Resp {
     http.post("/v1/acquire", &json!({"tenant": "atlas", "resource": resource, "key": key})).await
-}
-
-/// Whole tokens in `key`'s bucket of atlas/`resource`, read from Redis.
-async fn bucket_tokens(w: &World, resource: &str, key: &str) -> Option<i64> {
-    let name = Keys::per_key_bucket(&Keys::new("").quota("atlas", resource), key);
-    let client = redis::Client::open(w.redis_url()).expect("redis url");
-    let mut conn = client.get_multiplexed_async_connection().await.expect("redis");
-    let t: Option<String> =
-        redis::cmd("HGET").arg(&name).arg("t").query_async(&mut conn).await.expect("HGET");
-    t.map(|t| t.parse::<i64>().expect("micro-tokens") / 1_000_000)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -82,14 +71,14 @@ async fn a_key_over_its_cap_gets_429_per_key_and_spends_nothing_of_the_quota() {
         let r = a.http.post("/v1/acquire", &body).await.expect(422);
         assert_eq!(r.body["field"], json!(field), "{body}: {}", r.body);
     }
-    assert_eq!(bucket_tokens(&w, "read", "carol").await, None, "a refused request creates no bucket");
+    assert_eq!(w.bucket_tokens("read", "carol").await, None, "a refused request creates no bucket");
 
     // The allocator's accounting counts exactly the admits: the refused
     // key's requests spent nothing of the tenant's quota.
     assert_eq!(tally.admitted(), 5);
     assert_eq!(tally.count(429, "per_key_limited"), 5);
     w.wait_accounting("atlas", "read", &tally.by_window).await;
-    assert_eq!(bucket_tokens(&w, "read", "alice").await, Some(0));
+    assert_eq!(w.bucket_tokens("read", "alice").await, Some(0));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -122,7 +111,7 @@ async fn an_exhausted_quota_leaves_the_keys_bucket_as_it_was() {
     }
     assert_eq!(tally.admitted(), 5, "{tally:?}");
     // Only the five admits were debited from the key: 100 - 5.
-    assert_eq!(bucket_tokens(&w, "write", "alice").await, Some(95));
+    assert_eq!(w.bucket_tokens("write", "alice").await, Some(95));
     w.wait_accounting("atlas", "write", &tally.by_window).await;
 }
 

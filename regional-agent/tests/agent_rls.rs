@@ -67,24 +67,6 @@ fn header<'a>(r: &'a RateLimitResponse, name: &str) -> Option<&'a str> {
     r.response_headers_to_add.iter().find(|h| h.key == name).map(|h| h.value.as_str())
 }
 
-/// Σ consumed of a quota over its windows, as the allocator counts it.
-async fn consumed(w: &World, resource: &str) -> i64 {
-    w.windows("atlas", resource).await.iter().map(|x| x["consumed"].as_i64().unwrap_or(0)).sum()
-}
-
-async fn wait_consumed(w: &World, resource: &str, want: i64) {
-    let r = quota_tests::wait::poll(Duration::from_secs(20), Duration::from_millis(100), || async {
-        let got = consumed(w, resource).await;
-        if got == want {
-            Ok(())
-        } else {
-            Err(got)
-        }
-    })
-    .await;
-    assert_eq!(r, Ok(()), "allocator consumed of {resource}");
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ok_then_over_limit_at_the_quota_and_unknown_descriptors_are_not_limited() {
     let w = World::start().await;
@@ -127,7 +109,7 @@ async fn ok_then_over_limit_at_the_quota_and_unknown_descriptors_are_not_limited
     let e = ask(&c, vec![d(&[("resource", "a b")], None)], 0).await.expect_err("invalid");
     assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
     assert!(e.message().contains("descriptor 0"), "{e:?}");
-    wait_consumed(&w, "read", 5).await;
+    w.wait_consumed("read", 5).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -155,7 +137,7 @@ async fn a_per_user_limit_and_hits_addend_at_both_levels() {
     let e = ask(&c, vec![d(&[("resource", "write")], None)], 0).await.expect_err("no user");
     assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
     // 2 + 3 + 1: the refusal debited nothing.
-    wait_consumed(&w, "write", 6).await;
+    w.wait_consumed("write", 6).await;
 }
 
 /// Two descriptors of one request, 16 concurrent streams over two agents,
@@ -198,8 +180,8 @@ async fn two_descriptors_are_decided_atomically_under_concurrency() {
         ok += t.await.unwrap();
     }
     assert_eq!(ok, 40, "search's pool admits exactly its limit");
-    wait_consumed(&w, "search", 40).await;
-    wait_consumed(&w, "catalog", 40).await;
+    w.wait_consumed("search", 40).await;
+    w.wait_consumed("catalog", 40).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -311,5 +293,5 @@ async fn grpc_and_http_decisions_share_one_pool() {
         ok += t.await.unwrap();
     }
     assert_eq!(ok, 100, "gRPC and HTTP together admit exactly the pool");
-    wait_consumed(&w, "mixed", 100).await;
+    w.wait_consumed("mixed", 100).await;
 }

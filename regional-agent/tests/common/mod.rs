@@ -8,6 +8,7 @@ use quota_tests::fixtures::{put_policy, Stack};
 use quota_tests::http::{Http, Resp};
 use quota_tests::redis::TestRedis;
 use quota_tests::redis_cluster::TestRedisCluster;
+use regional_agent::keys::Keys;
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -66,6 +67,36 @@ impl World {
             AgentOpts::new(region, agent, allocator.unwrap_or(&self.stack.alloc.base), self.redis_url());
         opts.env.extend(env.iter().map(|(k, v)| (k.to_string(), v.to_string())));
         AgentProc::spawn(bin(), opts).await
+    }
+
+    /// Whole tokens in `key`'s bucket of atlas/`resource`, read from Redis.
+    pub async fn bucket_tokens(&self, resource: &str, key: &str) -> Option<i64> {
+        let name = Keys::per_key_bucket(&Keys::new("").quota("atlas", resource), key);
+        let client = redis::Client::open(self.redis_url()).expect("redis url");
+        let mut conn = client.get_multiplexed_async_connection().await.expect("redis");
+        let t: Option<String> =
+            redis::cmd("HGET").arg(&name).arg("t").query_async(&mut conn).await.expect("HGET");
+        t.map(|t| t.parse::<i64>().expect("micro-tokens") / 1_000_000)
+    }
+
+    /// Waits until the allocator counts `want` consumed on atlas/`resource`
+    /// over all its windows (20 s at most).
+    pub async fn wait_consumed(&self, resource: &str, want: i64) {
+        let r = quota_tests::wait::poll(Duration::from_secs(20), Duration::from_millis(100), || async {
+            let got: i64 = self
+                .windows("atlas", resource)
+                .await
+                .iter()
+                .map(|x| x["consumed"].as_i64().unwrap_or(0))
+                .sum();
+            if got == want {
+                Ok(())
+            } else {
+                Err(got)
+            }
+        })
+        .await;
+        assert_eq!(r, Ok(()), "allocator consumed of {resource}");
     }
 
     /// The allocator's per-window accounting of a quota.
