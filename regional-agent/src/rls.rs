@@ -177,6 +177,17 @@ fn status_of(e: &Error) -> Status {
     }
 }
 
+/// What one run of the decision gives the answer: the quotas it decided
+/// (indices into `Read::wants`, in order), their policies, and its result
+/// (`None`: nothing was limited; a refusal names the position, among the
+/// decided quotas, of the one that refused).
+struct Outcome<'a> {
+    decided: &'a [usize],
+    policies: &'a [PolicyInfo],
+    result: Option<Result<&'a Decided, (&'a Error, usize)>>,
+    now: chrono::DateTime<chrono::Utc>,
+}
+
 /// The service (one per agent, sharing its state).
 pub struct Rls {
     app: AppState,
@@ -191,6 +202,7 @@ impl Rls {
         let mut limited: Vec<bool> = vec![true; read.wants.len()];
         loop {
             let idx: Vec<usize> = (0..read.wants.len()).filter(|&i| limited[i]).collect();
+            let outcome = |policies, result| Outcome { decided: &idx, policies, result, now };
             let req = Acquire {
                 tenant: read.tenant.clone(),
                 wants: idx
@@ -202,60 +214,46 @@ impl Rls {
                 key: read.key.clone(),
             };
             if req.wants.is_empty() {
-                return Ok(self.answer(read, &limited, &[], None, now));
+                return Ok(self.answer(read, &outcome(&[], None)));
             }
             let mut policies = Vec::new();
             match spend::decide(&self.app, &req, &mut policies).await {
-                Ok(d) => return Ok(self.answer(read, &limited, &policies, Some(Ok(&d)), now)),
+                Ok(d) => return Ok(self.answer(read, &outcome(&policies, Some(Ok(&d))))),
                 Err((Error::UnknownQuota(_), Some(at))) => limited[idx[at]] = false,
                 Err((e @ (Error::Exhausted { .. } | Error::KeyLimited { .. }), Some(at))) => {
-                    return Ok(self.answer(read, &limited, &policies, Some(Err((&e, at))), now))
+                    return Ok(self.answer(read, &outcome(&policies, Some(Err((&e, at))))))
                 }
                 Err((e, _)) => return Err(status_of(&e)),
             }
         }
     }
 
-    /// The answer: one status per descriptor, in order. `policies` and the
-    /// decision's parts are those of the limited quotas, in order; a
-    /// refusal names the index of the quota (among them) that refused.
-    fn answer(
-        &self,
-        read: &Read,
-        limited: &[bool],
-        policies: &[PolicyInfo],
-        decided: Option<Result<&Decided, (&Error, usize)>>,
-        now: chrono::DateTime<chrono::Utc>,
-    ) -> RateLimitResponse {
+    /// The answer: one status per descriptor, in order.
+    fn answer(&self, read: &Read, o: &Outcome) -> RateLimitResponse {
         // The position of each quota among those decided.
         let mut pos = vec![None; read.wants.len()];
-        let mut n = 0;
-        for (i, l) in limited.iter().enumerate() {
-            if *l {
-                pos[i] = Some(n);
-                n += 1;
-            }
+        for (p, &w) in o.decided.iter().enumerate() {
+            pos[w] = Some(p);
         }
-        let over = matches!(decided, Some(Err(_)));
+        let over = matches!(o.result, Some(Err(_)));
         let statuses = read
             .of
             .iter()
             .map(|w| {
-                let Some(at) = w.and_then(|w| pos[w].map(|p| (w, p))) else {
+                let Some((w, p)) = w.and_then(|w| pos[w].map(|p| (w, p))) else {
                     return DescriptorStatus { code: Code::Ok as i32, ..Default::default() };
                 };
-                let (w, p) = at;
-                let Some(policy) = policies.get(p).copied() else {
+                let Some(policy) = o.policies.get(p).copied() else {
                     return DescriptorStatus { code: Code::Ok as i32, ..Default::default() };
                 };
-                let reset = Window::containing(now, policy.window_secs).ms_until_end(now);
+                let reset = Window::containing(o.now, policy.window_secs).ms_until_end(o.now);
                 let mut s = DescriptorStatus {
                     code: Code::Ok as i32,
                     current_limit: Some(current_limit(&read.tenant, &read.wants[w].0, policy)),
                     duration_until_reset: Some(pb_duration(reset)),
                     ..Default::default()
                 };
-                match decided {
+                match o.result {
                     Some(Ok(d)) => {
                         if let Some(part) = d.parts.get(p) {
                             s.limit_remaining = clamp_u32(part.admit.remaining);
@@ -279,64 +277,58 @@ impl Rls {
             ..Default::default()
         };
         if self.mapping.headers {
-            resp.response_headers_to_add = self.headers(read, limited, policies, decided, now);
+            resp.response_headers_to_add = headers(read, o);
         }
         resp
     }
+}
 
-    /// `RateLimit`, `RateLimit-Policy` (and on a refusal `Retry-After`) as
-    /// the HTTP answer would carry them.
-    fn headers(
-        &self,
-        read: &Read,
-        limited: &[bool],
-        policies: &[PolicyInfo],
-        decided: Option<Result<&Decided, (&Error, usize)>>,
-        now: chrono::DateTime<chrono::Utc>,
-    ) -> Vec<HeaderValue> {
-        let names: Vec<&str> =
-            (0..read.wants.len()).filter(|&i| limited[i]).map(|i| read.wants[i].0.as_str()).collect();
-        let name = |i: usize| format!("{}/{}", read.tenant, names.get(i).copied().unwrap_or("unknown"));
-        let mut h = axum::http::HeaderMap::new();
-        let mut retry = None;
-        match decided {
-            Some(Ok(d)) => {
-                let tightest = d.tightest(name, policies, now);
-                let (r, k) = d.parts[tightest].shown();
-                crate::headers::rate_limit_headers(
-                    &mut h,
-                    &name(tightest),
-                    policies.get(tightest).copied(),
-                    r,
-                    k,
-                    now,
-                );
-            }
-            Some(Err((e, at))) => {
-                let (r, k) = match e {
-                    Error::KeyLimited { remaining, .. } => (None, Some(*remaining)),
-                    _ => (Some(0), None),
-                };
-                crate::headers::rate_limit_headers(&mut h, &name(at), policies.get(at).copied(), r, k, now);
-                retry = e.retry_after_s();
-            }
-            None => return Vec::new(),
+/// `RateLimit`, `RateLimit-Policy` (and on a refusal `Retry-After`) as the
+/// HTTP answer would carry them.
+fn headers(read: &Read, o: &Outcome) -> Vec<HeaderValue> {
+    let name = |i: usize| {
+        let resource = o.decided.get(i).map_or("unknown", |&w| read.wants[w].0.as_str());
+        format!("{}/{resource}", read.tenant)
+    };
+    let mut h = axum::http::HeaderMap::new();
+    let mut retry = None;
+    match o.result {
+        Some(Ok(d)) => {
+            let tightest = d.tightest(name, o.policies, o.now);
+            let (r, k) = d.parts[tightest].shown();
+            crate::headers::rate_limit_headers(
+                &mut h,
+                &name(tightest),
+                o.policies.get(tightest).copied(),
+                r,
+                k,
+                o.now,
+            );
         }
-        let mut out: Vec<HeaderValue> = h
-            .iter()
-            .filter_map(|(k, v)| {
-                Some(HeaderValue {
-                    key: k.as_str().to_string(),
-                    value: v.to_str().ok()?.to_string(),
-                    ..Default::default()
-                })
-            })
-            .collect();
-        if let Some(s) = retry {
-            out.push(HeaderValue { key: "retry-after".into(), value: s.to_string(), ..Default::default() });
+        Some(Err((e, at))) => {
+            let (r, k) = match e {
+                Error::KeyLimited { remaining, .. } => (None, Some(*remaining)),
+                _ => (Some(0), None),
+            };
+            crate::headers::rate_limit_headers(&mut h, &name(at), o.policies.get(at).copied(), r, k, o.now);
+            retry = e.retry_after_s();
         }
-        out
+        None => return Vec::new(),
     }
+    let mut out: Vec<HeaderValue> = h
+        .iter()
+        .filter_map(|(k, v)| {
+            Some(HeaderValue {
+                key: k.as_str().to_string(),
+                value: v.to_str().ok()?.to_string(),
+                ..Default::default()
+            })
+        })
+        .collect();
+    if let Some(s) = retry {
+        out.push(HeaderValue { key: "retry-after".into(), value: s.to_string(), ..Default::default() });
+    }
+    out
 }
 
 /// Declares the RLS metric families.
