@@ -146,30 +146,25 @@ async fn a_per_user_limit_and_hits_addend_at_both_levels() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_descriptors_are_decided_atomically_under_concurrency() {
     let w = World::start().await;
-    w.policy("atlas", "catalog", json!({"limit": 1000, "window_secs": 3600, "fail_mode": "strict"})).await;
-    w.policy(
-        "atlas",
-        "search",
-        json!({"limit": 40, "window_secs": 3600, "fail_mode": "strict", "chunk_max": 7}),
-    )
-    .await;
+    common::catalog_and_search(&w).await;
     let (_a, ca, _) = rls_agent(&w, "eu-1", None).await;
     let (_b, cb, _) = rls_agent(&w, "eu-2", None).await;
     let mut tasks = Vec::new();
     for i in 0..16 {
         let c = if i % 2 == 0 { ca.clone() } else { cb.clone() };
         tasks.push(tokio::spawn(async move {
-            let (mut ok, mut refused) = (0, 0);
-            while refused < 3 {
+            let both = || {
                 let both = vec![d(&[("resource", "catalog")], None), d(&[("resource", "search")], None)];
-                let r = ask(&c, both, 0).await.expect("an answer");
+                let c = c.clone();
+                async move { ask(&c, both, 0).await.expect("an answer") }
+            };
+            let answers = common::until_refused(3, both, |r| r.overall_code == Code::Ok as i32).await;
+            let mut ok = 0;
+            for r in answers {
                 if r.overall_code == Code::Ok as i32 {
                     ok += 1;
-                    refused = 0;
                 } else {
                     assert_eq!(r.statuses[1].code, Code::OverLimit as i32, "{r:?}");
-                    refused += 1;
-                    tokio::time::sleep(Duration::from_millis(20)).await;
                 }
             }
             ok
@@ -267,25 +262,20 @@ async fn grpc_and_http_decisions_share_one_pool() {
         let c = if i % 2 == 0 { ca.clone() } else { cb.clone() };
         let http = if i % 2 == 0 { a.http.clone() } else { b.http.clone() };
         tasks.push(tokio::spawn(async move {
-            let (mut ok, mut refused) = (0, 0);
-            while refused < 3 {
-                let admitted = if i < 8 {
-                    let r = ask(&c, vec![d(&[("resource", "mixed")], None)], 0).await.expect("an answer");
-                    r.overall_code == Code::Ok as i32
-                } else {
-                    let r = common::acquire(&http, "atlas", "mixed").await;
-                    assert!(r.status == 200 || r.status == 429, "{}", r.body);
-                    r.status == 200
-                };
-                if admitted {
-                    ok += 1;
-                    refused = 0;
-                } else {
-                    refused += 1;
-                    tokio::time::sleep(Duration::from_millis(20)).await;
+            let admitted = || {
+                let (c, http) = (c.clone(), http.clone());
+                async move {
+                    if i < 8 {
+                        let r = ask(&c, vec![d(&[("resource", "mixed")], None)], 0).await.expect("an answer");
+                        r.overall_code == Code::Ok as i32
+                    } else {
+                        let r = common::acquire(&http, "atlas", "mixed").await;
+                        assert!(r.status == 200 || r.status == 429, "{}", r.body);
+                        r.status == 200
+                    }
                 }
-            }
-            ok
+            };
+            common::until_refused(3, admitted, |ok| *ok).await.into_iter().filter(|ok| *ok).count()
         }));
     }
     let mut ok = 0;

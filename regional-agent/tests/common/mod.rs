@@ -202,6 +202,41 @@ impl Tally {
     }
 }
 
+/// Asks until `times` refusals in a row (20 ms apart, so that leases in
+/// flight settle) and returns every answer, in order: the loop each client
+/// of the concurrency tests runs until its pool is spent.
+pub async fn until_refused<T, F, Fut>(times: u32, mut ask: F, admitted: impl Fn(&T) -> bool) -> Vec<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = T>,
+{
+    let mut answers = Vec::new();
+    let mut refused = 0;
+    while refused < times {
+        let answer = ask().await;
+        if admitted(&answer) {
+            refused = 0;
+        } else {
+            refused += 1;
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        answers.push(answer);
+    }
+    answers
+}
+
+/// Two quotas of `atlas` for the all-or-nothing tests: `catalog` (1,000)
+/// and `search` (40, exhausted first), both strict, per hour.
+pub async fn catalog_and_search(w: &World) {
+    w.policy("atlas", "catalog", json!({"limit": 1000, "window_secs": 3600, "fail_mode": "strict"})).await;
+    w.policy(
+        "atlas",
+        "search",
+        json!({"limit": 40, "window_secs": 3600, "fail_mode": "strict", "chunk_max": 7}),
+    )
+    .await;
+}
+
 /// I5: two replicas of region `eu`, 64 concurrent clients until the pool of
 /// 600 is exhausted: exactly as many 200s as tokens the allocator granted to
 /// the region (net of returns), none spent twice, and the allocator's
@@ -215,20 +250,14 @@ pub async fn i5_two_replicas_64_clients(w: &World) {
         let http = if i % 2 == 0 { a.http.clone() } else { b.http.clone() };
         tasks.push(tokio::spawn(async move {
             let mut t = Tally::default();
-            let mut refused = 0;
-            while refused < 5 {
-                let r = acquire(&http, "atlas", "write").await;
+            for r in until_refused(5, || acquire(&http, "atlas", "write"), |r| r.status == 200).await {
                 t.add(&r);
-                if r.status == 200 {
-                    refused = 0;
-                } else {
+                if r.status != 200 {
                     assert_eq!((r.status, r.error()), (429, "quota_exhausted"), "{}", r.body);
                     assert!(r
                         .header("retry-after")
                         .and_then(|v| v.parse::<i64>().ok())
                         .is_some_and(|s| s >= 1));
-                    refused += 1;
-                    tokio::time::sleep(Duration::from_millis(20)).await;
                 }
             }
             t
@@ -255,13 +284,7 @@ pub async fn i5_two_replicas_64_clients(w: &World) {
 /// `search` and debit nothing (the `catalog` count would drift above
 /// `search`'s).
 pub async fn multi_quota_all_or_nothing(w: &World) {
-    w.policy("atlas", "catalog", json!({"limit": 1000, "window_secs": 3600, "fail_mode": "strict"})).await;
-    w.policy(
-        "atlas",
-        "search",
-        json!({"limit": 40, "window_secs": 3600, "fail_mode": "strict", "chunk_max": 7}),
-    )
-    .await;
+    catalog_and_search(w).await;
     let a = w.agent("eu", "eu-1", None, &[]).await;
     let b = w.agent("eu", "eu-2", None, &[]).await;
     let body = json!({"tenant": "atlas", "resources": [{"resource": "catalog"}, {"resource": "search"}]});
@@ -271,11 +294,8 @@ pub async fn multi_quota_all_or_nothing(w: &World) {
         let body = body.clone();
         tasks.push(tokio::spawn(async move {
             let (mut catalog, mut search) = (Tally::default(), Tally::default());
-            let mut refused = 0;
-            while refused < 3 {
-                let r = http.post("/v1/acquire", &body).await;
+            for r in until_refused(3, || http.post("/v1/acquire", &body), |r| r.status == 200).await {
                 if r.status == 200 {
-                    refused = 0;
                     let results = r.body["results"].as_array().cloned().unwrap_or_default();
                     assert_eq!(results.len(), 2, "{}", r.body);
                     for (t, p) in [(&mut catalog, &results[0]), (&mut search, &results[1])] {
@@ -286,8 +306,6 @@ pub async fn multi_quota_all_or_nothing(w: &World) {
                     assert_eq!((r.status, r.error()), (429, "quota_exhausted"), "{}", r.body);
                     assert_eq!(r.body["limit"], json!("search"), "{}", r.body);
                     assert_eq!(r.body["resource"], json!("search"), "{}", r.body);
-                    refused += 1;
-                    tokio::time::sleep(Duration::from_millis(20)).await;
                 }
             }
             (catalog, search)
