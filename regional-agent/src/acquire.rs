@@ -236,12 +236,12 @@ pub(crate) async fn acquire(
             (outcome, (tightest, remaining, key_remaining), (StatusCode::OK, Json(body)).into_response())
         }
         Err((e, at)) => {
-            let shown = match (&e, at) {
-                // A key's refusal says nothing of the quota's balance: the
-                // headers then describe the key's bucket.
-                (Error::KeyLimited { remaining, .. }, Some(i)) => (i, None, Some(*remaining)),
-                (_, Some(i)) => (i, Some(0), None),
-                (_, None) => (0, Some(0), None),
+            let shown = match at {
+                Some(i) => {
+                    let (remaining, key_remaining) = crate::spend::refusal_shown(&e);
+                    (i, remaining, key_remaining)
+                }
+                None => (0, Some(0), None),
             };
             let code = e.code();
             for i in 0..req.wants.len() {

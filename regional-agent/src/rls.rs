@@ -306,10 +306,7 @@ fn headers(read: &Read, o: &Outcome) -> Vec<HeaderValue> {
             );
         }
         Some(Err((e, at))) => {
-            let (r, k) = match e {
-                Error::KeyLimited { remaining, .. } => (None, Some(*remaining)),
-                _ => (Some(0), None),
-            };
+            let (r, k) = spend::refusal_shown(e);
             crate::headers::rate_limit_headers(&mut h, &name(at), o.policies.get(at).copied(), r, k, o.now);
             retry = e.retry_after_s();
         }

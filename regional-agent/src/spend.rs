@@ -151,15 +151,7 @@ impl Paid {
             (None, _) => "lease",
         }
     }
-}
 
-/// An admit: one part per quota of the request, in its order.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Decided {
-    pub parts: Vec<Paid>,
-}
-
-impl Paid {
     /// What the `RateLimit` headers show of this part: the quota's balance
     /// (none after a key's shadow refusal, which, as a refusal, says
     /// nothing of it) and the key's bucket.
@@ -170,6 +162,22 @@ impl Paid {
         };
         (remaining, self.admit.key_remaining)
     }
+}
+
+/// What the `RateLimit` headers show after refusal `e`: a key's refusal
+/// says nothing of the quota's balance (they describe the key's bucket);
+/// any other refusal shows the quota empty.
+pub fn refusal_shown(e: &Error) -> (Option<i64>, Option<i64>) {
+    match e {
+        Error::KeyLimited { remaining, .. } => (None, Some(*remaining)),
+        _ => (Some(0), None),
+    }
+}
+
+/// An admit: one part per quota of the request, in its order.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Decided {
+    pub parts: Vec<Paid>,
 }
 
 impl Decided {
