@@ -171,6 +171,18 @@ impl Keys {
         format!("{quota_prefix}dirty")
     }
 
+    /// A quota's index of live leases (sorted set of lease ids, score the
+    /// window start; kept by the scripts, see `lua/prelude.lua`).
+    pub fn lease_index(quota_prefix: &str) -> String {
+        format!("{quota_prefix}idx")
+    }
+
+    /// A quota's fallback counter of the window starting at `window_start`
+    /// (written by `lua/prelude.lua`'s fallback path).
+    pub fn fallback_counter(quota_prefix: &str, window_start: i64) -> String {
+        format!("{quota_prefix}fb:{window_start}")
+    }
+
     /// The outbox list of `agent` for the quota with prefix `quota_prefix`.
     pub fn outbox(quota_prefix: &str, agent: &str) -> String {
         format!("{quota_prefix}ob:{agent}")

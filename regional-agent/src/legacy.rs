@@ -186,7 +186,7 @@ pub async fn legacy_fallback(
     window_start: i64,
     allowance: i64,
 ) -> (i64, i64) {
-    let key = format!("{}fb:{window_start}", keys.legacy_quota(tenant, resource));
+    let key = Keys::fallback_counter(&keys.legacy_quota(tenant, resource), window_start);
     match store.cmd::<Option<i64>>(redis::cmd("GET").arg(key)).await {
         Ok(used) => (window_start, used.unwrap_or(0)),
         Err(_) => (window_start, allowance),

@@ -312,8 +312,7 @@ pub async fn drain_all(app: &OutboxParts, ob: &Outboxes, until: Option<Instant>)
             break;
         }
         let mut drained = drain_list(app, ob, &q.prefix, &q.tenant, &q.resource, &me, true).await;
-        let window_secs = q.policy().map_or(i64::MAX / 2000, |p| p.window_secs);
-        let done = q.legacy_done.load(Ordering::Relaxed) && app.legacy.passed(window_secs);
+        let done = q.legacy_done.load(Ordering::Relaxed) && legacy_passed(app, q);
         if app.keys.layout() == Layout::Tenant && !done {
             drained = match drained {
                 Ok(n) => sweep_legacy(app, ob, q, &me).await.map(|l| n + l),
@@ -357,7 +356,7 @@ pub async fn drain_all(app: &OutboxParts, ob: &Outboxes, until: Option<Instant>)
 /// legacy keys are not looked at again. Returns the entries left.
 async fn sweep_legacy(app: &OutboxParts, ob: &Outboxes, q: &Quota, me: &Sender) -> Result<i64, StoreError> {
     let prefix = app.keys.legacy_quota(&q.tenant, &q.resource);
-    let live: i64 = app.store.cmd(redis::cmd("ZCARD").arg(format!("{prefix}idx"))).await?;
+    let live: i64 = app.store.cmd(redis::cmd("ZCARD").arg(Keys::lease_index(&prefix))).await?;
     if let (true, Some(p)) = (live > 0, q.policy()) {
         let on = scripts::On { prefix: &prefix, token: "" };
         let by = scripts::Caller { agent: &app.settings.agent, epoch: me.report_epoch };
@@ -366,14 +365,20 @@ async fn sweep_legacy(app: &OutboxParts, ob: &Outboxes, q: &Quota, me: &Sender) 
         scripts::view(&app.store, on, by, args).await?;
     }
     let left = drain_list(app, ob, &prefix, &q.tenant, &q.resource, me, true).await?;
-    let window_secs = q.policy().map_or(i64::MAX / 2000, |p| p.window_secs);
-    let done = live == 0 && left == 0 && app.legacy.passed(window_secs);
+    let done = live == 0 && left == 0 && legacy_passed(app, q);
     if !done {
         q.legacy_done.store(false, Ordering::Relaxed);
     } else if !q.legacy_done.swap(true, Ordering::Relaxed) {
         tracing::debug!(tenant = %q.tenant, resource = %q.resource, "the quota's legacy keys are empty");
     }
     Ok(left)
+}
+
+/// Whether no legacy agent can write quota `q`'s legacy keys any more (see
+/// [`crate::legacy::Gate::passed`]); a quota whose policy is not known yet
+/// waits as if its window never ended.
+fn legacy_passed(app: &OutboxParts, q: &Quota) -> bool {
+    app.legacy.passed(q.policy().map_or(i64::MAX / 2000, |p| p.window_secs))
 }
 
 /// Cuts (when `cut`) and sends one quota's list of `s.owner`; returns the
