@@ -38,8 +38,9 @@ enum Cmd {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    // The README test checks that every `cargo lab ...` line it shows still
-    // parses, without running a stack for each.
+    // The docs test (chaos/tests/readme.rs) checks that every `cargo lab ...`
+    // line the README and docs/ show still parses, without running a stack
+    // for each.
     if std::env::var_os("QUOTA_LAB_DRY_RUN").is_some() {
         println!("quota-lab: arguments accepted");
         return ExitCode::SUCCESS;

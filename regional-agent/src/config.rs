@@ -61,7 +61,8 @@ pub struct Config {
     /// Redis key layout: `tenant` (a tenant's quotas share one Cluster
     /// slot, so one decision may span several of them) or `legacy` (one
     /// slot per quota, as agents before multi-quota decisions wrote; for
-    /// rehearsing or rolling back an upgrade). See README "Upgrading".
+    /// rehearsing or rolling back an upgrade). See docs/deploying.md,
+    /// "Upgrading".
     #[arg(long, env = "AGENT_KEY_LAYOUT", value_enum, default_value_t = KeyLayout::Tenant)]
     pub key_layout: KeyLayout,
 

@@ -4,7 +4,7 @@
 //! Contour) calls, and `grpc.health.v1.Health`. Message types come from
 //! the `envoy-types` crate (prost code generated from Envoy's own protos).
 //!
-//! Mapping (README "Use it from Envoy"): `domain` is the tenant; in each
+//! Mapping (docs/envoy.md): `domain` is the tenant; in each
 //! descriptor the entry whose key is `--rls-resource-key` (default
 //! `resource`) names the quota and the entry whose key is
 //! `--rls-key-entry` (default `user`) names the per-key principal; other

@@ -421,12 +421,12 @@ pub enum Step {
     Unavailable,
 }
 
-/// The acquire rule (README "Guarantees"): a request with no token waits
-/// for the renewer within one time budget; it is answered 429 only when the
-/// allocator said the pool is empty, never because a renewal is late (a
-/// late renewal ends in 503 once the budget is spent); while the allocator
-/// is unreachable the fail mode decides (bounded: the fallback allowance,
-/// then 503; strict: 503).
+/// The acquire rule (docs/guarantees.md, what each event costs): a request
+/// with no token waits for the renewer within one time budget; it is
+/// answered 429 only when the allocator said the pool is empty, never
+/// because a renewal is late (a late renewal ends in 503 once the budget is
+/// spent); while the allocator is unreachable the fail mode decides
+/// (bounded: the fallback allowance, then 503; strict: 503).
 pub fn step(seen: Seen, elapsed: Duration, budget: Duration) -> Step {
     let left = budget.saturating_sub(elapsed);
     if (0..=MAX_OPEN_WAIT_MS).contains(&seen.wait_ms) {

@@ -13,8 +13,8 @@ use sqlx::{Connection, Executor, PgConnection};
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
-/// What the README promises when no transaction that wrote ledger events is
-/// open: an event is on the next read. The polls allow for a loaded machine.
+/// What docs/operating.md (Ledger freshness) promises when no transaction
+/// that wrote ledger events is open: an event is on the next read. The polls allow for a loaded machine.
 const LIVE_BOUND: Duration = Duration::from_secs(3);
 
 fn at(s: &str) -> DateTime<Utc> {

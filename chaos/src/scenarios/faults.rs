@@ -37,8 +37,9 @@ pub async fn partition(p: &Profile, bins: Bins, strict: bool) -> Result<Scenario
     let healed_ms = chrono::Utc::now().timestamp_millis();
     run.pass(1.5).await;
     let after = totals(&run, "us").since(&before).since(&during);
-    // Heal within a second (README guarantees): the first admit from a
-    // fresh lease, and no 429 (demand is below G: the pool always had tokens).
+    // Heal within a second (docs/guarantees.md, what each event costs): the
+    // first admit from a fresh lease, and no 429 (demand is below G: the pool
+    // always had tokens).
     let answers = run.answers("us", healed_ms);
     let first_lease = answers.iter().filter(|a| a.status == 200 && a.lease).map(|a| a.done_ms).min();
     let unavailable = answers.iter().filter(|a| a.status == 503 && a.sent_ms >= healed_ms).count();
@@ -234,7 +235,7 @@ pub async fn redis_restart(p: &Profile, bins: Bins) -> Result<ScenarioReport, St
     let allowed = (p.rate(EU) * 0.4).ceil() as i64;
     run.allow_loss_between(at - 1, at + 1, allowed);
     run.note(format!(
-        "the allocator may count up to {allowed} admits fewer around the loss (see README limits)"
+        "the allocator may count up to {allowed} admits fewer around the loss (see docs/limits.md)"
     ));
     let before = totals(&run, "eu");
     run.pass(2.0).await;

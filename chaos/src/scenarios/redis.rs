@@ -85,7 +85,7 @@ pub async fn redis_rollback(p: &Profile, bins: Bins) -> Result<ScenarioReport, S
     let allowed = (p.rate(EU) * 0.8).ceil() as i64;
     run.allow_loss_between(saved - 1, at + 1, allowed);
     run.note(format!(
-        "the allocator may count up to {allowed} admits fewer around the rollback (README limits)"
+        "the allocator may count up to {allowed} admits fewer around the rollback (docs/limits.md)"
     ));
     let before = region_total(&run.tally(), "eu");
     run.pass(2.0).await;
@@ -197,7 +197,7 @@ pub async fn redis_failover(p: &Profile, bins: Bins) -> Result<ScenarioReport, S
     let allowed = (p.rate(EU) * 0.8).ceil() as i64;
     run.lost_allowance = Some((run.window_key(cut - 1), run.window_key(killed_ms / 1000 + 1), allowed));
     run.note(format!(
-        "the allocator may count up to {allowed} admits fewer around the failover (README limits)"
+        "the allocator may count up to {allowed} admits fewer around the failover (docs/limits.md)"
     ));
     let before = region_total(&run.tally(), "eu");
     run.pass(1.5).await;
