@@ -125,7 +125,7 @@ impl App {
 }
 
 /// The allocator's clock as its last grant answer showed it, and the
-/// monotonic instant that answer arrived; shared by the renewer (which
+/// monotonic instant the request for that answer was sent; shared by the renewer (which
 /// observes it), the acquire path and the status (which read it).
 pub struct AllocatorClock {
     /// This host's clock, until the first answer.
@@ -140,9 +140,11 @@ impl AllocatorClock {
     }
 
     /// Records the allocator's clock read off a grant answer (`at` is the
-    /// allocator's instant when it answered, `arrived` when the answer came).
-    pub fn observe(&self, at: chrono::DateTime<chrono::Utc>, arrived: std::time::Instant) {
-        *self.last.lock().unwrap() = Some((at, arrived));
+    /// allocator's instant when it answered, `sent` when this agent sent the
+    /// request: the allocator read `at` after it, so [`Self::now`] never
+    /// lags the allocator's clock; it may lead by one round trip).
+    pub fn observe(&self, at: chrono::DateTime<chrono::Utc>, sent: std::time::Instant) {
+        *self.last.lock().unwrap() = Some((at, sent));
     }
 
     /// The allocator's clock minus this host's (the agent's own clock), as
@@ -159,9 +161,8 @@ impl AllocatorClock {
     /// clock); this host's clock only before the first answer.
     pub fn now(&self) -> chrono::DateTime<chrono::Utc> {
         match *self.last.lock().unwrap() {
-            Some((at, arrived)) => {
-                at + chrono::Duration::from_std(arrived.elapsed())
-                    .unwrap_or_else(|_| chrono::Duration::zero())
+            Some((at, sent)) => {
+                at + chrono::Duration::from_std(sent.elapsed()).unwrap_or_else(|_| chrono::Duration::zero())
             }
             None => self.clock.now_utc(),
         }

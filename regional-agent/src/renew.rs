@@ -446,13 +446,15 @@ async fn credit(
     let life_ms = g.expires_in_ms - sent.elapsed().as_millis() as i64 - SAFETY_MS;
     // The allocator's instant when it answered, read off the answer itself.
     let alloc_at = g.expires_at - chrono::Duration::milliseconds(g.expires_in_ms);
-    app.alloc_clock.observe(alloc_at, arrived);
-    // The region's fallback clock (credit.lua's offset) counts from the
-    // instant the request was *sent*: the allocator read `alloc_at` after
-    // that, so this never lags its clock and a fallback admit just after a
-    // window's end cannot land in the ended window's allowance; it may lead
-    // by one round trip. (Counted from the arrival, a slow grant made the
-    // offset lag by the grant's whole duration.)
+    // Both of the agent's readings of the allocator's clock (the one its own
+    // decisions read, and the region's fallback clock, credit.lua's offset)
+    // count from the instant the request was *sent*: the allocator read
+    // `alloc_at` after that, so neither lags its clock and an admit just
+    // after a window's end cannot land in the ended window; they may lead by
+    // one round trip. (Counted from the arrival, a slow grant made them lag
+    // by the grant's whole duration: seen as a 200 charged to a window that
+    // had ended when the request was sent, on an overloaded machine.)
+    app.alloc_clock.observe(alloc_at, sent);
     let alloc_now_ms = alloc_at.timestamp_millis() + sent.elapsed().as_millis() as i64;
     let nb_ms = if sel == WindowSel::Next {
         let opens_in = (g.window_start - alloc_at).num_milliseconds() + 2;
