@@ -51,10 +51,11 @@ pub fn ensure() -> Result<Bins, String> {
 pub fn locate() -> Result<Bins, String> {
     let dir = profile_dir()?;
     let bins = Bins { allocator: dir.join("allocator"), agent: dir.join("regional-agent") };
+    let release = if dir.file_name().is_some_and(|n| n == "release") { "--release " } else { "" };
     for b in [&bins.allocator, &bins.agent] {
         if !b.is_file() {
             return Err(format!(
-                "{} not found; build it with `cargo build --release -p allocator -p regional-agent`",
+                "{} not found; build it with `cargo build {release}-p allocator -p regional-agent`",
                 b.display()
             ));
         }

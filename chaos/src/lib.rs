@@ -5,6 +5,7 @@
 //! with a fault proxy (`quota_tests::proxy`) on every link.
 //!
 //! * [`bins`]: building and finding the service binaries, checking servers.
+//! * [`profile`]: why the lab runs the dev build and benchmarks the release one.
 //! * [`install`]: PostgreSQL and Redis servers: found, installed with apt-get, or the command printed.
 //! * [`stack`]: starting and stopping the whole stack.
 //! * [`pools`]: the policies and agent identities the bench and scenarios set up.
@@ -24,6 +25,7 @@ pub mod chart;
 pub mod demo;
 pub mod install;
 pub mod pools;
+pub mod profile;
 pub mod report;
 pub mod scenarios;
 pub mod stack;

@@ -45,6 +45,11 @@ fn main() -> ExitCode {
         println!("quota-lab: arguments accepted");
         return ExitCode::SUCCESS;
     }
+    if let Cmd::Bench(a) = &cli.cmd {
+        if chaos::profile::bench_needs_release(a.smoke, chaos::profile::optimised()) {
+            return chaos::profile::rerun_in_release(std::env::args_os().skip(1));
+        }
+    }
     let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {

@@ -33,6 +33,7 @@ const PAGES: &[&str] = &[
     "docs/chaos.md",
     "docs/benchmarks.md",
     "docs/testing.md",
+    "docs/ci.md",
 ];
 
 fn root() -> PathBuf {
