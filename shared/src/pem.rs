@@ -106,39 +106,42 @@ mod tests {
         assert_eq!(parse_certs("TEST_CERT", &dir.path().join("cert.pem"), &bytes).unwrap(), certs);
     }
 
+    /// What [`certs`] answers for `file` of [`files`], with the path as
+    /// errors show it.
+    fn cert_error(dir: &tempfile::TempDir, file: &str) -> (PemError, String) {
+        let path = dir.path().join(file);
+        (certs("TEST_CERT", &path).unwrap_err(), path.display().to_string())
+    }
+
     #[test]
     fn an_empty_file_holds_no_certificate_and_no_key() {
         let dir = files();
-        let path = dir.path().join("empty.pem");
-        let e = certs("TEST_CERT", &path).unwrap_err();
+        let (e, path) = cert_error(&dir, "empty.pem");
         assert!(matches!(e, PemError::NoCertificate { .. }), "{e:?}");
-        assert_eq!(e.to_string(), format!("TEST_CERT {} holds no certificate", path.display()));
-        let e = private_key("TEST_KEY", &path).unwrap_err();
-        assert_eq!(e.to_string(), format!("TEST_KEY {} holds no PEM private key", path.display()));
+        assert_eq!(e.to_string(), format!("TEST_CERT {path} holds no certificate"));
+        let e = private_key("TEST_KEY", &dir.path().join("empty.pem")).unwrap_err();
+        assert_eq!(e.to_string(), format!("TEST_KEY {path} holds no PEM private key"));
     }
 
     #[test]
     fn a_missing_file_is_named_with_the_reason() {
         let dir = files();
-        let path = dir.path().join("none.pem");
-        for e in [certs("TEST_CERT", &path).unwrap_err(), private_key("TEST_CERT", &path).unwrap_err()] {
+        let (e, path) = cert_error(&dir, "none.pem");
+        let key_e = private_key("TEST_CERT", &dir.path().join("none.pem")).unwrap_err();
+        for e in [e, key_e] {
             assert!(matches!(e, PemError::Read { .. }), "{e:?}");
             let text = e.to_string();
-            assert!(text.starts_with(&format!("cannot read TEST_CERT {}: ", path.display())), "{text}");
+            assert!(text.starts_with(&format!("cannot read TEST_CERT {path}: ")), "{text}");
         }
     }
 
     #[test]
     fn bad_pem_is_named_and_its_contents_are_not_echoed() {
         let dir = files();
-        let path = dir.path().join("bad.pem");
-        let e = certs("TEST_CERT", &path).unwrap_err();
+        let (e, path) = cert_error(&dir, "bad.pem");
         assert!(matches!(e, PemError::NotCertificates { .. }), "{e:?}");
         let text = e.to_string();
-        assert!(
-            text.starts_with(&format!("TEST_CERT {} is not PEM certificates: ", path.display())),
-            "{text}"
-        );
+        assert!(text.starts_with(&format!("TEST_CERT {path} is not PEM certificates: ")), "{text}");
         assert!(!text.contains("secret"), "{text}");
         // A certificate where a key belongs is no key.
         let e = private_key("TEST_KEY", &dir.path().join("cert.pem")).unwrap_err();
