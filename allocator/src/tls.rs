@@ -21,12 +21,12 @@ use axum::Router;
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
+use quota_shared::pem;
 use rustls::server::WebPkiClientVerifier;
 use rustls::ServerConfig;
-use rustls_pki_types::pem::PemObject;
-use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+use rustls_pki_types::CertificateDer;
 use std::future::Future;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 use tokio::net::TcpListener;
@@ -61,29 +61,12 @@ impl TlsFiles {
     }
 }
 
-fn read(what: &str, path: &Path) -> Result<Vec<u8>, String> {
-    std::fs::read(path).map_err(|e| format!("cannot read {what} {}: {e}", path.display()))
-}
-
-fn certs(what: &str, path: &Path) -> Result<Vec<CertificateDer<'static>>, String> {
-    let bytes = read(what, path)?;
-    let certs = CertificateDer::pem_slice_iter(&bytes)
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| format!("{what} {} is not PEM certificates: {e}", path.display()))?;
-    if certs.is_empty() {
-        return Err(format!("{what} {} holds no certificate", path.display()));
-    }
-    Ok(certs)
-}
-
 /// Builds the server config from the files. Errors name the setting and
 /// the file, never the file's contents (a key is secret).
 pub fn build(files: &TlsFiles) -> Result<ServerConfig, String> {
     let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let chain = certs("ALLOCATOR_TLS_CERT", &files.cert)?;
-    let key_bytes = read("ALLOCATOR_TLS_KEY", &files.key)?;
-    let key = PrivateKeyDer::from_pem_slice(&key_bytes)
-        .map_err(|_| format!("ALLOCATOR_TLS_KEY {} holds no PEM private key", files.key.display()))?;
+    let chain = pem::certs("ALLOCATOR_TLS_CERT", &files.cert)?;
+    let key = pem::private_key("ALLOCATOR_TLS_KEY", &files.key)?;
     let builder = ServerConfig::builder_with_provider(provider.clone())
         .with_safe_default_protocol_versions()
         .map_err(|e| format!("TLS set-up: {e}"))?;
@@ -91,7 +74,7 @@ pub fn build(files: &TlsFiles) -> Result<ServerConfig, String> {
         None => builder.with_no_client_auth(),
         Some(ca) => {
             let mut roots = rustls::RootCertStore::empty();
-            for c in certs("ALLOCATOR_TLS_CLIENT_CA", ca)? {
+            for c in pem::certs("ALLOCATOR_TLS_CLIENT_CA", ca)? {
                 roots.add(c).map_err(|e| {
                     format!("ALLOCATOR_TLS_CLIENT_CA {}: unusable CA certificate: {e}", ca.display())
                 })?;

@@ -9,6 +9,8 @@
 //! * [`install`]: PostgreSQL and Redis servers: found, installed with apt-get, or the command printed.
 //! * [`stack`]: starting and stopping the whole stack.
 //! * [`pools`]: the policies and agent identities the bench and scenarios set up.
+//! * [`pg_conn`], [`redis_conn`]: bounded connections of the lab's own to
+//!   PostgreSQL and to a region's Redis (with SCAN), for checks.
 //! * [`tls`]: the throwaway CA and certificates of `--tls` runs.
 //! * [`traffic`]: client processes' ground truth: 200s, 429s and 503s per window.
 //! * [`accounts`]: the allocator's window accounting, read over HTTP.
@@ -24,8 +26,10 @@ pub mod bins;
 pub mod chart;
 pub mod demo;
 pub mod install;
+pub mod pg_conn;
 pub mod pools;
 pub mod profile;
+pub mod redis_conn;
 pub mod report;
 pub mod scenarios;
 pub mod stack;

@@ -17,6 +17,18 @@ pub async fn put_policy(admin: &Http, tenant: &str, resource: &str, body: &Value
     Ok(())
 }
 
+/// A policy of `limit` tokens per window of `window_secs`, every other
+/// field the allocator's default.
+pub async fn put_limit(
+    admin: &Http,
+    tenant: &str,
+    resource: &str,
+    limit: i64,
+    window_secs: i64,
+) -> Result<(), String> {
+    put_policy(admin, tenant, resource, &json!({"limit": limit, "window_secs": window_secs})).await
+}
+
 /// The same policy for every resource in `resources`, one after the other.
 pub async fn put_policies<R: AsRef<str>>(
     admin: &Http,

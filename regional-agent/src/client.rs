@@ -11,15 +11,14 @@
 //! logged once each time it changes, not once per request.
 
 use crate::breaker::Breaker;
+use quota_shared::pem;
 use quota_shared::wire::{
     AgentStatusReport, ErrorBody, GrantRequest, GrantResponse, LeaseView, RegisterRequest, RegisterResponse,
     ReleaseRequest, ReportRequest, ReportResponse,
 };
-use rustls_pki_types::pem::PemObject;
-use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -60,23 +59,6 @@ pub struct TlsFiles {
     pub client_cert: Option<(PathBuf, PathBuf)>,
 }
 
-fn read_pem(what: &str, path: &Path) -> Result<Vec<u8>, String> {
-    std::fs::read(path).map_err(|e| format!("cannot read {what} {}: {e}", path.display()))
-}
-
-/// The certificates of a PEM file; errors name `what` (the setting) and the
-/// file, never its contents.
-pub(crate) fn pem_certs(what: &str, path: &Path) -> Result<Vec<CertificateDer<'static>>, String> {
-    let bytes = read_pem(what, path)?;
-    let certs = CertificateDer::pem_slice_iter(&bytes)
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| format!("{what} {} is not PEM certificates: {e}", path.display()))?;
-    if certs.is_empty() {
-        return Err(format!("{what} {} holds no certificate", path.display()));
-    }
-    Ok(certs)
-}
-
 /// The rustls configuration of the allocator link: system roots plus the CA
 /// file, and the client certificate when given. Built with the ring provider
 /// explicitly, so no process-wide default provider is needed. Errors name
@@ -89,7 +71,7 @@ pub fn tls_config(files: &TlsFiles) -> Result<rustls::ClientConfig, String> {
         tracing::debug!("no system trust roots found; https allocator URLs need --allocator-ca-file");
     }
     if let Some(ca) = &files.ca_file {
-        for cert in pem_certs("AGENT_ALLOCATOR_CA_FILE", ca)? {
+        for cert in pem::certs("AGENT_ALLOCATOR_CA_FILE", ca)? {
             roots.add(cert).map_err(|e| {
                 format!("AGENT_ALLOCATOR_CA_FILE {}: unusable CA certificate: {e}", ca.display())
             })?;
@@ -103,11 +85,8 @@ pub fn tls_config(files: &TlsFiles) -> Result<rustls::ClientConfig, String> {
     match &files.client_cert {
         None => Ok(builder.with_no_client_auth()),
         Some((cert, key)) => {
-            let chain = pem_certs("AGENT_ALLOCATOR_CLIENT_CERT", cert)?;
-            let key_bytes = read_pem("AGENT_ALLOCATOR_CLIENT_KEY", key)?;
-            let key_der = PrivateKeyDer::from_pem_slice(&key_bytes).map_err(|_| {
-                format!("AGENT_ALLOCATOR_CLIENT_KEY {} holds no PEM private key", key.display())
-            })?;
+            let chain = pem::certs("AGENT_ALLOCATOR_CLIENT_CERT", cert)?;
+            let key_der = pem::private_key("AGENT_ALLOCATOR_CLIENT_KEY", key)?;
             builder.with_client_auth_cert(chain, key_der).map_err(|e| {
                 format!(
                     "AGENT_ALLOCATOR_CLIENT_CERT/KEY ({}) do not form a usable identity: {e}",

@@ -16,8 +16,8 @@
 //! builds its rustls config with the process default provider, so the agent
 //! installs ring as that default before the first TLS connection.
 
-use crate::client::{pem_certs, TlsFiles};
-use rustls_pki_types::pem::PemObject;
+use crate::client::TlsFiles;
+use quota_shared::pem;
 use rustls_pki_types::PrivateKeyDer;
 use std::sync::Arc;
 
@@ -33,30 +33,25 @@ pub fn install_ring_provider() {
 pub fn certificates(files: &TlsFiles) -> Result<redis::TlsCertificates, String> {
     install_ring_provider();
     let root_cert = match &files.ca_file {
+        // Parsed only to fail early with the file's name; the bytes go to
+        // the redis crate, which parses them again.
         Some(ca) => {
-            // Parsed only to fail early with the file's name; the bytes go
-            // to the redis crate, which parses them again.
-            pem_certs("AGENT_REDIS_CA_FILE", ca)?;
-            Some(
-                std::fs::read(ca)
-                    .map_err(|e| format!("cannot read AGENT_REDIS_CA_FILE {}: {e}", ca.display()))?,
-            )
+            let bytes = pem::read("AGENT_REDIS_CA_FILE", ca)?;
+            pem::parse_certs("AGENT_REDIS_CA_FILE", ca, &bytes)?;
+            Some(bytes)
         }
         None => None,
     };
     let client_tls = match &files.client_cert {
         Some((cert, key)) => {
-            let chain = pem_certs("AGENT_REDIS_CLIENT_CERT", cert)?;
-            let key_bytes = std::fs::read(key)
-                .map_err(|e| format!("cannot read AGENT_REDIS_CLIENT_KEY {}: {e}", key.display()))?;
-            let key_der = PrivateKeyDer::from_pem_slice(&key_bytes)
-                .map_err(|_| format!("AGENT_REDIS_CLIENT_KEY {} holds no PEM private key", key.display()))?;
+            let client_cert = pem::read("AGENT_REDIS_CLIENT_CERT", cert)?;
+            let chain = pem::parse_certs("AGENT_REDIS_CLIENT_CERT", cert, &client_cert)?;
+            let client_key = pem::read("AGENT_REDIS_CLIENT_KEY", key)?;
+            let key_der = pem::parse_private_key("AGENT_REDIS_CLIENT_KEY", key, &client_key)?;
             check_identity(chain, key_der).map_err(|e| {
                 format!("AGENT_REDIS_CLIENT_CERT/KEY ({}) do not form a usable identity: {e}", cert.display())
             })?;
-            let client_cert = std::fs::read(cert)
-                .map_err(|e| format!("cannot read AGENT_REDIS_CLIENT_CERT {}: {e}", cert.display()))?;
-            Some(redis::ClientTlsConfig { client_cert, client_key: key_bytes })
+            Some(redis::ClientTlsConfig { client_cert, client_key })
         }
         None => None,
     };

@@ -10,6 +10,8 @@
 //! * [`prom`]: the services' Prometheus registry, a facade over the
 //!   `metrics` crate's Prometheus exporter.
 //! * `openapi` (feature `service`): what both OpenAPI documents share.
+//! * `pem` (feature `tls`): certificates and keys read from PEM files, with
+//!   errors that name the setting and the file, never the file's contents.
 //! * `telemetry` (feature `service`): logging set-up and the shutdown signal.
 //!
 //! Nothing here depends on axum, sqlx or redis, so the agent and the allocator
@@ -20,6 +22,8 @@ pub mod clock;
 pub mod ids;
 #[cfg(feature = "service")]
 pub mod openapi;
+#[cfg(feature = "tls")]
+pub mod pem;
 pub mod prom;
 #[cfg(feature = "service")]
 pub mod telemetry;

@@ -53,9 +53,16 @@ pub struct AgentProc {
 impl AgentProc {
     /// Starts `bin` with `opts` and waits until it has registered.
     pub async fn spawn(bin: &Path, opts: AgentOpts) -> AgentProc {
+        let mut a = AgentProc::new(bin, opts);
+        a.start().await;
+        a
+    }
+
+    /// An agent of `bin` with `opts` on a free port, not started yet.
+    fn new(bin: &Path, opts: AgentOpts) -> AgentProc {
         let port = crate::free_port();
         let base = format!("http://{}:{port}", opts.host);
-        let mut a = AgentProc {
+        AgentProc {
             http: Http::new(&base),
             base,
             opts,
@@ -64,9 +71,7 @@ impl AgentProc {
             dir: tempfile::tempdir().expect("temp dir"),
             child: None,
             starts: 0,
-        };
-        a.start().await;
-        a
+        }
     }
 
     fn start_process(&mut self) {
@@ -88,18 +93,7 @@ impl AgentProc {
     /// Starts `bin` with `opts` and waits only until it serves `/healthz`
     /// (for agents that cannot reach their allocator, so never register).
     pub async fn spawn_unregistered(bin: &Path, opts: AgentOpts) -> AgentProc {
-        let port = crate::free_port();
-        let base = format!("http://{}:{port}", opts.host);
-        let mut a = AgentProc {
-            http: Http::new(&base),
-            base,
-            opts,
-            port,
-            bin: bin.to_path_buf(),
-            dir: tempfile::tempdir().expect("temp dir"),
-            child: None,
-            starts: 0,
-        };
+        let mut a = AgentProc::new(bin, opts);
         a.start_process();
         let http = a.http.clone();
         crate::wait::until("agent /healthz", Duration::from_secs(20), || {

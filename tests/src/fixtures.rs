@@ -3,9 +3,15 @@
 
 use crate::app::{Options, TestAllocator};
 use crate::http::{Http, Resp};
+use chrono::{DateTime, Utc};
 use quota_shared::clock::OffsetClock;
 use serde_json::{json, Value};
 use std::sync::Arc;
+
+/// The instant an RFC 3339 text names (`2026-12-02T10:00:05Z`), in UTC.
+pub fn at(s: &str) -> DateTime<Utc> {
+    DateTime::parse_from_rfc3339(s).unwrap().with_timezone(&Utc)
+}
 
 /// A running allocator with a database and a client.
 pub struct Stack {
@@ -17,10 +23,26 @@ pub struct Stack {
 impl Stack {
     /// PostgreSQL plus one allocator.
     pub async fn start() -> Stack {
+        Stack::with(Options::default()).await
+    }
+
+    /// PostgreSQL plus one allocator built with `opts`.
+    pub async fn with(opts: Options) -> Stack {
         let db = crate::pg::TestDb::start().await;
-        let alloc = TestAllocator::spawn(&db.url).await;
+        let alloc = TestAllocator::spawn_with(&db.url, opts).await;
         let http = Http::new(&alloc.base);
         Stack { db, alloc, http }
+    }
+
+    /// PostgreSQL plus one allocator that asks for the bearer tokens
+    /// `admin` and `agent`; `http` sends none.
+    pub async fn with_tokens(admin: &str, agent: &str) -> Stack {
+        let opts = Options {
+            admin_token: Some(admin.into()),
+            agent_token: Some(agent.into()),
+            ..Default::default()
+        };
+        Stack::with(opts).await
     }
 }
 
@@ -40,6 +62,35 @@ pub async fn clocked(
             .await;
     let http = Http::new(&alloc.base);
     (db, clock, alloc, http)
+}
+
+/// A [`clocked`] allocator after the [`operator_scenario`]: the prelude of
+/// every test that reads the scenario's numbers back.
+pub async fn operator_scenario_played() -> (crate::pg::TestDb, Arc<OffsetClock>, TestAllocator, Http) {
+    let (db, clock, alloc, http) = clocked(None).await;
+    operator_scenario(&http, &clock).await;
+    (db, clock, alloc, http)
+}
+
+/// A [`clocked`] allocator standing at `now` with `atlas/read` under
+/// `policy` and `eu/eu-1` registered (its epoch last): the prelude of the
+/// tests that step one quota through time (explain, retention, fallback).
+pub async fn clocked_quota(
+    now: DateTime<Utc>,
+    policy: Value,
+) -> (crate::pg::TestDb, Arc<OffsetClock>, TestAllocator, Http, i64) {
+    let (db, clock, alloc, http) = clocked(Some(now)).await;
+    put_policy(&http, "atlas", "read", policy).await;
+    let epoch = register(&http, "eu", "eu-1").await;
+    (db, clock, alloc, http, epoch)
+}
+
+/// The `/v1/windows` summary of `atlas/read` for the window starting at
+/// `window_start` (an RFC 3339 JSON string), or the next one kept.
+pub async fn window_of(http: &Http, window_start: &Value) -> Value {
+    let from = window_start.as_str().unwrap().replace('+', "%2B");
+    http.get(&format!("/v1/windows/atlas/read?from={from}&limit=1")).await.expect(200).body["windows"][0]
+        .clone()
 }
 
 /// `PUT /v1/policies/{tenant}/{resource}`, expecting 200.
@@ -140,7 +191,6 @@ pub fn report_body(
 ///
 /// Leaves the clock at 10:02:30, so both windows are closed.
 pub async fn operator_scenario(http: &Http, clock: &quota_shared::clock::OffsetClock) {
-    let at = |s: &str| chrono::DateTime::parse_from_rfc3339(s).unwrap().with_timezone(&chrono::Utc);
     clock.set_now(at("2026-12-02T10:00:05Z"));
     put_policy(
         http,

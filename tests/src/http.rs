@@ -60,35 +60,26 @@ pub struct Http {
 impl Http {
     /// A client for `base`.
     pub fn new(base: &str) -> Http {
-        let client = client_builder()
-            .timeout(Duration::from_secs(30))
-            .pool_max_idle_per_host(128)
-            .build()
-            .expect("client");
-        Http { base: base.to_string(), client, token: None }
+        Http::over(base, client_builder().pool_max_idle_per_host(128))
     }
 
     /// A client for an `https://` `base` that trusts the CA `ca_pem` (and
     /// the usual roots).
     pub fn with_ca(base: &str, ca_pem: &str) -> Http {
         let ca = reqwest::Certificate::from_pem(ca_pem.as_bytes()).expect("CA PEM");
-        let client = client_builder()
-            .timeout(Duration::from_secs(30))
-            .add_root_certificate(ca)
-            .build()
-            .expect("client");
-        Http { base: base.to_string(), client, token: None }
+        Http::over(base, client_builder().add_root_certificate(ca))
     }
 
     /// A client for an `https://` `base` trusting `ca_pem` only and
     /// presenting the client certificate `cert_pem` with `key_pem` (mTLS).
     pub fn with_identity(base: &str, ca_pem: &str, cert_pem: &str, key_pem: &str) -> Http {
         let config = crate::tls::client_config_with_identity(ca_pem, cert_pem, key_pem);
-        let client = client_builder()
-            .timeout(Duration::from_secs(30))
-            .tls_backend_preconfigured(config)
-            .build()
-            .expect("client");
+        Http::over(base, client_builder().tls_backend_preconfigured(config))
+    }
+
+    /// A client for `base` built from `builder` with the tests' 30 s timeout.
+    fn over(base: &str, builder: reqwest::ClientBuilder) -> Http {
+        let client = builder.timeout(Duration::from_secs(30)).build().expect("client");
         Http { base: base.to_string(), client, token: None }
     }
 

@@ -159,41 +159,58 @@ impl TestRedisCluster {
     }
 
     fn wait_pong(&mut self, cli_bin: &std::path::Path) {
-        // One deadline for every node.
-        let deadline = Instant::now() + Duration::from_secs(20);
-        for p in self.ports.clone() {
-            let port = p.to_string();
-            let left = deadline.saturating_duration_since(Instant::now());
-            let up = wait::poll_blocking(left, Duration::from_millis(10), || {
-                if cli(cli_bin, &["-p", &port, "ping"]).is_ok_and(|o| o.trim() == "PONG") {
-                    return Ok(());
-                }
-                self.check_alive();
-                Err(())
-            });
-            assert!(up.is_ok(), "redis-server on {p} not ready\n{}", self.logs());
-        }
+        self.each_node(Duration::from_secs(20), Duration::from_millis(10), "not ready", |port| {
+            let pong = cli(cli_bin, &["-p", port, "ping"])?;
+            if pong.trim() == "PONG" {
+                Ok(())
+            } else {
+                Err(pong)
+            }
+        });
     }
 
     /// Polls every node until it reports `cluster_state:ok` and all slots assigned.
     fn wait_ok(&mut self, cli_bin: &std::path::Path) {
-        // One deadline for every node.
-        let deadline = Instant::now() + Duration::from_secs(30);
-        for p in self.ports.clone() {
-            let port = p.to_string();
-            let left = deadline.saturating_duration_since(Instant::now());
-            let ok = wait::poll_blocking(left, Duration::from_millis(20), || {
-                let info = cli(cli_bin, &["-p", &port, "cluster", "info"]).unwrap_or_default();
+        self.each_node(
+            Duration::from_secs(30),
+            Duration::from_millis(20),
+            "never reached cluster_state:ok",
+            |port| {
+                let info = cli(cli_bin, &["-p", port, "cluster", "info"]).unwrap_or_default();
                 if info.lines().any(|l| l.trim() == "cluster_state:ok")
                     && info.lines().any(|l| l.trim() == "cluster_slots_ok:16384")
                 {
-                    return Ok(());
+                    Ok(())
+                } else {
+                    Err(info)
                 }
-                self.check_alive();
-                Err(info)
+            },
+        );
+    }
+
+    /// Polls `ready` on every node's port every `every`, all within one
+    /// deadline `within`; a node that exits or is not ready by then fails
+    /// the test with `what`, its last answer and the logs.
+    fn each_node(
+        &mut self,
+        within: Duration,
+        every: Duration,
+        what: &str,
+        ready: impl Fn(&str) -> Result<(), String>,
+    ) {
+        let deadline = Instant::now() + within;
+        for p in self.ports.clone() {
+            let port = p.to_string();
+            let left = deadline.saturating_duration_since(Instant::now());
+            let r = wait::poll_blocking(left, every, || {
+                let r = ready(&port);
+                if r.is_err() {
+                    self.check_alive();
+                }
+                r
             });
-            if let Err(info) = ok {
-                panic!("cluster never reached cluster_state:ok: {info}\n{}", self.logs());
+            if let Err(last) = r {
+                panic!("redis-server on {p} {what}: {last}\n{}", self.logs());
             }
         }
     }

@@ -1,15 +1,12 @@
 //! Releases, reports, window accounting, the ledger and the operational
 //! endpoints, against a real PostgreSQL.
 
-use chrono::{DateTime, Utc};
 use quota_tests::app::{Options, TestAllocator};
-use quota_tests::fixtures::{clocked, grant, grant_body, put_policy, register, Stack};
+use quota_tests::fixtures::{
+    at, clocked, clocked_quota, grant, grant_body, put_policy, register, report_body, Stack,
+};
 use quota_tests::http::Http;
 use serde_json::json;
-
-fn at(s: &str) -> DateTime<Utc> {
-    DateTime::parse_from_rfc3339(s).unwrap().with_timezone(&Utc)
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn release_returns_unspent_only_while_the_window_is_open_and_is_idempotent() {
@@ -116,23 +113,14 @@ async fn reports_apply_exactly_once_and_window_accounting_shows_the_bound() {
 /// A clocked allocator with `atlas/read` at limit 1000 per 60 s window,
 /// 100 fallback per region, inside the window 10:00; `eu` and `us` registered.
 async fn fallback_window() -> (quota_tests::pg::TestDb, TestAllocator, Http, i64, i64) {
-    let (db, _clock, alloc, http) = clocked(Some(at("2026-12-02T10:00:10Z"))).await;
-    put_policy(
-        &http,
-        "atlas",
-        "read",
-        json!({"limit": 1000, "window_secs": 60, "chunk_max": 500, "fallback_per_region": 100}),
-    )
-    .await;
-    let eu = register(&http, "eu", "eu-1").await;
+    let policy = json!({"limit": 1000, "window_secs": 60, "chunk_max": 500, "fallback_per_region": 100});
+    let (db, _clock, alloc, http, eu) = clocked_quota(at("2026-12-02T10:00:10Z"), policy).await;
     let us = register(&http, "us", "us-1").await;
     (db, alloc, http, eu, us)
 }
 
 fn window_report(region: &str, epoch: i64, id: &str, consumed: i64, fallback: i64) -> serde_json::Value {
-    json!({"region": region, "agent": format!("{region}-1"), "epoch": epoch, "report_id": id,
-        "items": [{"tenant": "atlas", "resource": "read", "window_start": "2026-12-02T10:00:00Z",
-                   "consumed": consumed, "fallback_admitted": fallback}]})
+    report_body(region, epoch, id, &json!("2026-12-02T10:00:00Z"), consumed, fallback)
 }
 
 async fn window_10_00(http: &Http) -> serde_json::Value {

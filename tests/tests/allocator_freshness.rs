@@ -5,7 +5,7 @@
 //! and `explain ?at=` answers as of its instant.
 
 use chrono::{DateTime, Utc};
-use quota_tests::fixtures::{clocked, grant, grant_body, put_policy, register, report_body, Stack};
+use quota_tests::fixtures::{at, clocked_quota, grant, grant_body, put_policy, register, report_body, Stack};
 use quota_tests::http::Http;
 use quota_tests::wait;
 use serde_json::{json, Value};
@@ -16,10 +16,6 @@ use std::time::{Duration, Instant};
 /// What docs/operating.md (Ledger freshness) promises when no transaction
 /// that wrote ledger events is open: an event is on the next read. The polls allow for a loaded machine.
 const LIVE_BOUND: Duration = Duration::from_secs(3);
-
-fn at(s: &str) -> DateTime<Utc> {
-    DateTime::parse_from_rfc3339(s).unwrap().with_timezone(&Utc)
-}
 
 /// Reads the ledger from `cursor` to its end, returning the events and the
 /// `as_of` of the last page.
@@ -282,16 +278,8 @@ async fn ledger_writes_outside_read_committed_are_refused_rather_than_risk_a_ski
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn explain_at_an_instant_does_not_count_what_happened_after_it_and_names_each_instant() {
-    let (_db, clock, _alloc, http) = clocked(None).await;
-    clock.set_now(at("2026-12-02T10:00:05Z"));
-    put_policy(
-        &http,
-        "atlas",
-        "read",
-        json!({"limit": 100, "window_secs": 60, "chunk_max": 100, "fallback_per_region": 10}),
-    )
-    .await;
-    let eu = register(&http, "eu", "eu-1").await;
+    let policy = json!({"limit": 100, "window_secs": 60, "chunk_max": 100, "fallback_per_region": 10});
+    let (_db, clock, _alloc, http, eu) = clocked_quota(at("2026-12-02T10:00:05Z"), policy).await;
     let first = grant(&http, &grant_body("atlas", "read", "eu", "eu-1", eu, 1, 40, 4.0)).await.expect(200);
     assert_eq!(first.body["tokens"], 40);
     clock.set_now(at("2026-12-02T10:00:08Z"));

@@ -1,18 +1,14 @@
 //! Grants against a real PostgreSQL: I1 under concurrency with several
 //! allocator replicas, I2 clamp, I3 replay and mismatch, I4 stale epochs.
 
-use chrono::{DateTime, Duration, Utc};
+use chrono::Duration;
 use quota_tests::app::{Options, TestAllocator};
 use quota_tests::fixtures::{
-    clocked, grant, grant_body, pool_rows, put_policy, register, table_counts, Stack,
+    at, clocked, grant, grant_body, pool_rows, put_policy, register, table_counts, Stack,
 };
 use quota_tests::http::Http;
 use rand::Rng;
 use serde_json::json;
-
-fn at(s: &str) -> DateTime<Utc> {
-    DateTime::parse_from_rfc3339(s).unwrap().with_timezone(&Utc)
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn i1_four_allocators_500_concurrent_grants_never_oversubscribe_the_pool() {

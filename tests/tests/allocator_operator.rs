@@ -3,24 +3,19 @@
 //! the NDJSON export, explain, policy history, auth per route, retention and
 //! the OpenAPI document.
 
-use chrono::{DateTime, Duration, Utc};
-use quota_tests::app::{Options, TestAllocator};
+use chrono::{Duration, Utc};
 use quota_tests::fixtures::{
-    clocked, grant, grant_body, operator_scenario, put_policy, register, report_body, Stack,
+    at, clocked_quota, grant, grant_body, operator_scenario_played, put_policy, register, report_body,
+    window_of, Stack,
 };
 use quota_tests::http::{Http, Resp};
 use quota_tests::wait;
 use serde_json::{json, Value};
 use std::collections::BTreeSet;
 
-fn at(s: &str) -> DateTime<Utc> {
-    DateTime::parse_from_rfc3339(s).unwrap().with_timezone(&Utc)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn scripted_scenario_yields_exact_window_accounting_bound_and_stranded() {
-    let (_db, clock, _alloc, http) = clocked(None).await;
-    operator_scenario(&http, &clock).await;
+    let (_db, _clock, _alloc, http) = operator_scenario_played().await;
 
     let w = http
         .get("/v1/windows/atlas/read?from=2026-12-02T10:00:00Z&to=2026-12-02T10:02:00Z")
@@ -232,16 +227,8 @@ async fn ledger_ndjson_export_streams_every_matching_event_once_and_filters_are_
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn explain_tells_leased_fallback_exhausted_and_no_demand_apart() {
-    let (_db, clock, _alloc, http) = clocked(None).await;
-    clock.set_now(at("2026-12-02T10:00:05Z"));
-    put_policy(
-        &http,
-        "atlas",
-        "read",
-        json!({"limit": 100, "window_secs": 60, "chunk_max": 100, "fallback_per_region": 10}),
-    )
-    .await;
-    let eu = register(&http, "eu", "eu-1").await;
+    let policy = json!({"limit": 100, "window_secs": 60, "chunk_max": 100, "fallback_per_region": 10});
+    let (_db, clock, _alloc, http, eu) = clocked_quota(at("2026-12-02T10:00:05Z"), policy).await;
     let us_old = register(&http, "us", "us-1").await;
     let us = register(&http, "us", "us-1").await;
     let ap = register(&http, "ap", "ap-1").await;
@@ -319,17 +306,8 @@ async fn explain_tells_leased_fallback_exhausted_and_no_demand_apart() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn policy_versions_record_every_change_with_who_and_when_and_if_match_refuses_a_stale_edit() {
-    let db = quota_tests::pg::TestDb::start().await;
-    let alloc = TestAllocator::spawn_with(
-        &db.url,
-        Options {
-            admin_token: Some("admin-secret".into()),
-            agent_token: Some("agent-secret".into()),
-            ..Default::default()
-        },
-    )
-    .await;
-    let admin = Http::new(&alloc.base).with_token(Some("admin-secret"));
+    let s = Stack::with_tokens("admin-secret", "agent-secret").await;
+    let admin = s.http.with_token(Some("admin-secret"));
     let agent = admin.with_token(Some("agent-secret"));
     let path = "/v1/policies/atlas/read";
     admin.put(path, &json!({"limit": 100, "window_secs": 60})).await.expect(200);
@@ -449,17 +427,8 @@ async fn call(http: &Http, method: &str, template: &str, lease_id: &str, epoch: 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn auth_matrix_covers_every_route_with_no_wrong_agent_and_admin_tokens() {
-    let db = quota_tests::pg::TestDb::start().await;
-    let alloc = TestAllocator::spawn_with(
-        &db.url,
-        Options {
-            admin_token: Some("admin-secret".into()),
-            agent_token: Some("agent-secret".into()),
-            ..Default::default()
-        },
-    )
-    .await;
-    let anon = Http::new(&alloc.base);
+    let s = Stack::with_tokens("admin-secret", "agent-secret").await;
+    let anon = s.http.clone();
     let wrong = anon.with_token(Some("admin-secreT"));
     let agent = anon.with_token(Some("agent-secret"));
     let admin = anon.with_token(Some("admin-secret"));
@@ -531,12 +500,8 @@ async fn openapi_document_covers_every_route_of_the_router() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn retention_removes_old_ledger_events_and_leases_in_batches_and_windows_still_answer() {
-    let (_db, clock, alloc, http) = clocked(None).await;
-    let old = Utc::now() - Duration::days(10);
-    clock.set_now(old);
-    put_policy(&http, "atlas", "read", json!({"limit": 1000, "window_secs": 60, "fallback_per_region": 5}))
-        .await;
-    let epoch = register(&http, "eu", "eu-1").await;
+    let policy = json!({"limit": 1000, "window_secs": 60, "fallback_per_region": 5});
+    let (_db, clock, alloc, http, epoch) = clocked_quota(Utc::now() - Duration::days(10), policy).await;
     let mut ws = json!(null);
     for seq in 0..3 {
         let g =
@@ -581,11 +546,7 @@ async fn retention_removes_old_ledger_events_and_leases_in_batches_and_windows_s
     assert_eq!(recent_events, 1, "the recent grant event stays");
 
     let from = ws.as_str().unwrap();
-    let w = http
-        .get(&format!("/v1/windows/atlas/read?from={}&limit=1", from.replace('+', "%2B")))
-        .await
-        .expect(200);
-    let win = &w.body["windows"][0];
+    let win = &window_of(&http, &ws).await;
     assert_eq!(win["window_start"].as_str(), Some(from));
     assert_eq!(
         (win["granted"].as_i64(), win["consumed"].as_i64(), win["fallback_admitted"].as_i64()),

@@ -6,8 +6,7 @@
 
 use allocator::retention::{self, Retention};
 use chrono::{Duration, Utc};
-use quota_tests::fixtures::{clocked, grant, grant_body, put_policy, register};
-use quota_tests::http::Http;
+use quota_tests::fixtures::{clocked_quota, grant, grant_body, register, window_of as window};
 use serde_json::{json, Value};
 
 async fn count(db: &sqlx::PgPool, sql: &str) -> i64 {
@@ -20,24 +19,14 @@ fn report(agent: &str, epoch: i64, id: &str, window_start: &Value, consumed: i64
                    "consumed": consumed, "fallback_admitted": 0}]})
 }
 
-async fn window(http: &Http, ws: &Value) -> Value {
-    let from = ws.as_str().unwrap().replace('+', "%2B");
-    http.get(&format!("/v1/windows/atlas/read?from={from}&limit=1")).await.expect(200).body["windows"][0]
-        .clone()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn old_reports_pools_and_gone_agents_are_deleted_in_batches_and_a_replay_is_refused() {
-    let (_db, clock, alloc, http) = clocked(None).await;
-    let pg = alloc.state.db.clone();
     let real_now = Utc::now();
-
     // Ten days ago: eu-1 and eu-gone (registered twice) appear; eu-gone is
     // granted and reports three times, then is never heard of again.
-    clock.set_now(real_now - Duration::days(10));
-    put_policy(&http, "atlas", "read", json!({"limit": 1000, "window_secs": 60, "fallback_per_region": 5}))
-        .await;
-    let e1 = register(&http, "eu", "eu-1").await;
+    let policy = json!({"limit": 1000, "window_secs": 60, "fallback_per_region": 5});
+    let (_db, clock, alloc, http, e1) = clocked_quota(real_now - Duration::days(10), policy).await;
+    let pg = alloc.state.db.clone();
     register(&http, "eu", "eu-gone").await;
     let gone_epoch = register(&http, "eu", "eu-gone").await;
     assert_eq!(gone_epoch, 2);

@@ -4,14 +4,13 @@
 //! fails and says so.
 
 use quota_tests::chromium::{self, run as run_chromium};
-use quota_tests::fixtures::{clocked, operator_scenario};
+use quota_tests::fixtures::operator_scenario_played;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dashboard_renders_in_headless_chromium_with_the_scenario_numbers() {
     let bin = chromium::binary();
     // No tokens: the dashboard is open on loopback, so Chromium needs no header.
-    let (_db, clock, alloc, http) = clocked(None).await;
-    operator_scenario(&http, &clock).await;
+    let (_db, _clock, alloc, _http) = operator_scenario_played().await;
     let dir = tempfile::tempdir().expect("tempdir");
 
     let index =

@@ -3,17 +3,12 @@
 //! `GET /v1/windows`, and bounded cardinality (`--window-metrics-quotas`):
 //! a quota that drops out of the top N leaves its series.
 
-use chrono::{DateTime, Utc};
-use quota_tests::app::{Options, TestAllocator};
-use quota_tests::fixtures::{clocked, grant, grant_body, operator_scenario, put_policy, register};
+use quota_tests::app::Options;
+use quota_tests::fixtures::{at, grant, grant_body, operator_scenario_played, put_policy, register, Stack};
 use quota_tests::http::{metric, Http};
 use quota_tests::wait::until;
 use serde_json::json;
 use std::time::Duration;
-
-fn at(s: &str) -> DateTime<Utc> {
-    DateTime::parse_from_rfc3339(s).unwrap().with_timezone(&Utc)
-}
 
 async fn scrape(http: &Http) -> String {
     http.get("/metrics").await.expect(200).body.as_str().expect("text").to_string()
@@ -25,8 +20,7 @@ fn window(text: &str, family: &str, tenant: &str, which: &str, extra: &str) -> O
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn window_gauges_show_the_open_and_previous_window_of_the_scripted_scenario() {
-    let (_db, clock, _alloc, http) = clocked(None).await;
-    operator_scenario(&http, &clock).await;
+    let (_db, clock, _alloc, http) = operator_scenario_played().await;
 
     // 10:01:30: window 10:01 is open (reports above the bound), 10:00 closed.
     clock.set_now(at("2026-12-02T10:01:30Z"));
@@ -69,11 +63,9 @@ async fn window_gauges_show_the_open_and_previous_window_of_the_scripted_scenari
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn only_the_busiest_quotas_get_window_gauges_and_a_quota_that_drops_out_leaves_them() {
-    let db = quota_tests::pg::TestDb::start().await;
-    let alloc =
-        TestAllocator::spawn_with(&db.url, Options { window_metrics_quotas: Some(1), ..Default::default() })
-            .await;
-    let http = Http::new(&alloc.base);
+    // The stack lives to the test's end; `http` is its client.
+    let stack = Stack::with(Options { window_metrics_quotas: Some(1), ..Default::default() }).await;
+    let http = stack.http.clone();
     for tenant in ["atlas", "birch"] {
         put_policy(&http, tenant, "read", json!({"limit": 1000, "window_secs": 3600, "chunk_max": 100}))
             .await;
@@ -97,11 +89,9 @@ async fn only_the_busiest_quotas_get_window_gauges_and_a_quota_that_drops_out_le
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn zero_window_metrics_quotas_turns_the_gauges_off() {
-    let db = quota_tests::pg::TestDb::start().await;
-    let alloc =
-        TestAllocator::spawn_with(&db.url, Options { window_metrics_quotas: Some(0), ..Default::default() })
-            .await;
-    let http = Http::new(&alloc.base);
+    // The stack lives to the test's end; `http` is its client.
+    let stack = Stack::with(Options { window_metrics_quotas: Some(0), ..Default::default() }).await;
+    let http = stack.http.clone();
     put_policy(&http, "atlas", "read", json!({"limit": 1000, "window_secs": 3600})).await;
     let epoch = register(&http, "eu", "eu-1").await;
     grant(&http, &grant_body("atlas", "read", "eu", "eu-1", epoch, 1, 30, 1.0)).await.expect(200);

@@ -24,8 +24,10 @@ use super::hist::{closed_loop, Medians, Op, Sample};
 use super::peer::Peer;
 use super::rig::Rig;
 use super::{Plan, Results};
+use crate::redis_conn;
 use futures::FutureExt;
 use quota_tests::redis::TestRedis;
+use redis::aio::MultiplexedConnection;
 use regional_agent::client::TlsFiles;
 use regional_agent::keys::Keys;
 use regional_agent::scripts::{self, Ask, Caller, Common, On, Outcome, Part, Spend};
@@ -52,12 +54,38 @@ const CALL_TIMEOUT: Duration = Duration::from_secs(5);
 /// Concurrencies measured.
 pub const CLIENTS: [usize; 3] = [1, 16, 64];
 
-fn client() -> Result<reqwest::Client, String> {
+/// The bench's HTTP client: keep-alive connections (up to 128 idle per
+/// agent, more than any concurrency measured), every call bounded.
+pub(super) fn client(timeout: Duration) -> Result<reqwest::Client, String> {
     quota_tests::http::client_builder()
-        .timeout(CALL_TIMEOUT)
+        .timeout(timeout)
         .pool_max_idle_per_host(128)
         .build()
         .map_err(|e| format!("http client: {e}"))
+}
+
+/// Runs `op` from 4 clients for half a second, so the agent learns the
+/// policies and credits a first lease before anything is measured; `who`
+/// (the agent) never admitting is an error.
+pub(super) async fn warm_up(who: &str, op: Op) -> Result<(), String> {
+    let warm = closed_loop(4, Duration::from_millis(500), op).await?;
+    if warm.ok == 0 {
+        return Err(format!("{who} never admitted during warm-up: {:?}", warm.first_error));
+    }
+    Ok(())
+}
+
+/// Done when the call answered 200; its body is read, so the connection
+/// goes back to the pool for the next call.
+async fn answered_200(what: &str, sent: reqwest::Result<reqwest::Response>) -> Result<(), String> {
+    let r = sent.map_err(|e| format!("{what}: {e}"))?;
+    let status = r.status().as_u16();
+    let _ = r.bytes().await;
+    if status == 200 {
+        Ok(())
+    } else {
+        Err(format!("{what} answered {status}"))
+    }
 }
 
 fn acquire_op(client: reqwest::Client, base: &str) -> Op {
@@ -67,7 +95,7 @@ fn acquire_op(client: reqwest::Client, base: &str) -> Op {
 /// `POST /v1/acquire` on `resources` (one: the `resource` form; several:
 /// one decision over all of them); with `per_key`, client `i` names the
 /// key `user-<i>`.
-fn acquire_op_for(client: reqwest::Client, base: &str, resources: &[&str], per_key: bool) -> Op {
+pub(super) fn acquire_op_for(client: reqwest::Client, base: &str, resources: &[&str], per_key: bool) -> Op {
     let url = format!("{base}/v1/acquire");
     let bodies: Arc<Vec<Vec<u8>>> = Arc::new(
         (0..if per_key { 64 } else { 1 })
@@ -88,20 +116,8 @@ fn acquire_op_for(client: reqwest::Client, base: &str, resources: &[&str], per_k
         let body = bodies[i % bodies.len()].clone();
         let (client, url) = (client.clone(), url.clone());
         async move {
-            let r = client
-                .post(&url)
-                .header("content-type", "application/json")
-                .body(body)
-                .send()
-                .await
-                .map_err(|e| format!("acquire: {e}"))?;
-            let status = r.status().as_u16();
-            let _ = r.bytes().await;
-            if status == 200 {
-                Ok(())
-            } else {
-                Err(format!("acquire answered {status}"))
-            }
+            let sent = client.post(&url).header("content-type", "application/json").body(body).send().await;
+            answered_200("acquire", sent).await
         }
         .boxed()
     })
@@ -111,17 +127,7 @@ fn healthz_op(client: reqwest::Client, base: &str) -> Op {
     let url = format!("{base}/healthz");
     Arc::new(move |_, _| {
         let (client, url) = (client.clone(), url.clone());
-        async move {
-            let r = client.get(&url).send().await.map_err(|e| format!("healthz: {e}"))?;
-            let status = r.status().as_u16();
-            let _ = r.bytes().await;
-            if status == 200 {
-                Ok(())
-            } else {
-                Err(format!("healthz answered {status}"))
-            }
-        }
-        .boxed()
+        async move { answered_200("healthz", client.get(&url).send().await).await }.boxed()
     })
 }
 
@@ -223,13 +229,7 @@ fn rls_op(client: RlsClient) -> Op {
 /// Runs the acquire measurements on `rig` with a Redis of their own.
 pub async fn run(rig: &Rig, plan: &Plan, out: &mut Results, progress: &dyn Fn(&str)) -> Result<(), String> {
     let redis = TestRedis::start();
-    crate::pools::put_policy(
-        &rig.admin,
-        TENANT,
-        RESOURCE,
-        &json!({"limit": LIMIT, "window_secs": WINDOW_SECS}),
-    )
-    .await?;
+    crate::pools::put_limit(&rig.admin, TENANT, RESOURCE, LIMIT, WINDOW_SECS).await?;
     // The largest rate and burst a policy takes: a bucket that never refuses.
     let max = quota_shared::wire::PerKey::MAX;
     for r in [RESOURCE_PER_KEY, RESOURCE2_PER_KEY] {
@@ -244,24 +244,17 @@ pub async fn run(rig: &Rig, plan: &Plan, out: &mut Results, progress: &dyn Fn(&s
     let grpc = format!("127.0.0.1:{}", quota_tests::free_port());
     let agent = rig.agent_as("eu", &redis.url, vec![("AGENT_GRPC_LISTEN".into(), grpc.clone())]).await;
     let rls = rls_client(&grpc).await?;
-    let http = client()?;
+    let http = client(CALL_TIMEOUT)?;
     // Warm: the agent learns the policies and credits a first lease.
     let per_key_op = acquire_op_for(http.clone(), &agent.base, &[RESOURCE_PER_KEY], true);
     let two_op = acquire_op_for(http.clone(), &agent.base, &[RESOURCE_PER_KEY, RESOURCE2_PER_KEY], true);
     for op in [acquire_op(http.clone(), &agent.base), per_key_op.clone(), two_op.clone(), rls_op(rls.clone())]
     {
-        let warm = closed_loop(4, Duration::from_millis(500), op).await?;
-        if warm.ok == 0 {
-            return Err(format!("agent never admitted during warm-up: {:?}", warm.first_error));
-        }
+        warm_up("agent", op).await?;
     }
 
     let prefix = Keys::new("").quota(TENANT, RESOURCE);
-    let rc = redis::Client::open(redis.url.as_str()).map_err(|e| format!("redis url: {e}"))?;
-    let conn = tokio::time::timeout(CALL_TIMEOUT, redis::aio::ConnectionManager::new(rc))
-        .await
-        .map_err(|_| "connecting to Redis timed out".to_string())?
-        .map_err(|e| format!("connecting to Redis: {e}"))?;
+    let conn = redis_conn::connect(&redis.url, CALL_TIMEOUT).await?;
     let token: Option<String> = redis::cmd("GET")
         .arg(Keys::incarnation(&prefix))
         .query_async(&mut conn.clone())
@@ -341,26 +334,12 @@ pub async fn run(rig: &Rig, plan: &Plan, out: &mut Results, progress: &dyn Fn(&s
             }
         }
         for (what, samples) in [("per_key", &per_key_s), ("two_quotas_per_key", &two_s)] {
-            if samples.is_empty() {
-                continue;
-            }
-            let m = Medians::of(samples);
-            out.set(&k(&format!("{what}.decisions_per_s")), m.per_s);
-            out.set(&k(&format!("{what}.p50_ms")), m.p50_ms);
-            out.set(&k(&format!("{what}.p99_ms")), m.p99_ms);
-            if m.errors > 0 {
-                out.note(format!("acquire c{c} {what}: {} errors, first: {:?}", m.errors, m.first_error));
+            if !samples.is_empty() {
+                let label = format!("acquire c{c} {what}");
+                Medians::of(samples).put(out, &k(what), "decisions_per_s", &label);
             }
         }
-        let m = Medians::of(&rls_s);
-        let k = |s: &str| format!("rls.c{c}.{s}");
-        out.set(&k("decisions_per_s"), m.per_s);
-        out.set(&k("p50_ms"), m.p50_ms);
-        out.set(&k("p99_ms"), m.p99_ms);
-        if m.errors > 0 {
-            out.note(format!("rls c{c}: {} errors, first: {:?}", m.errors, m.first_error));
-        }
-        let k = |s: &str| format!("acquire.c{c}.{s}");
+        Medians::of(&rls_s).put(out, &format!("rls.c{c}"), "decisions_per_s", &format!("rls c{c}"));
         if !lim_s.is_empty() {
             let m = Medians::of(&lim_s);
             out.set(&k("limitador_per_s"), m.per_s);
@@ -406,8 +385,7 @@ async fn agent_memory_per_quota(
     let before = super::machine::rss_mb(pid)?;
     for i in 0..n {
         let resource = format!("mem-{i}");
-        crate::pools::put_policy(&rig.admin, TENANT, &resource, &json!({"limit": 1000, "window_secs": 3600}))
-            .await?;
+        crate::pools::put_limit(&rig.admin, TENANT, &resource, 1000, 3600).await?;
         let r = http
             .post(format!("{}/v1/acquire", agent.base))
             .json(&json!({"tenant": TENANT, "resource": resource}))
@@ -493,44 +471,20 @@ impl StageSums {
     }
 }
 
-/// Most SCAN pages read (each asks for 1,000 keys): one quota has a handful
-/// of keys, so hitting this means the pattern is wrong, not a large quota.
-const MAX_SCAN_PAGES: usize = 1_000;
-
 /// `MEMORY USAGE` of every key under `prefix`, by the key's suffix.
-async fn quota_memory(
-    conn: &mut redis::aio::ConnectionManager,
-    prefix: &str,
-) -> Result<Vec<(String, i64)>, String> {
-    let pattern = format!("{}*", prefix.replace('[', "\\[").replace('*', "\\*").replace('?', "\\?"));
-    let mut cursor: u64 = 0;
+async fn quota_memory(conn: &mut MultiplexedConnection, prefix: &str) -> Result<Vec<(String, i64)>, String> {
     let mut sizes = Vec::new();
-    for _ in 0..MAX_SCAN_PAGES {
-        let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
-            .arg(cursor)
-            .arg("MATCH")
-            .arg(&pattern)
-            .arg("COUNT")
-            .arg(1000)
+    for k in redis_conn::scan(conn, &redis_conn::under(prefix)).await? {
+        let n: Option<i64> = redis::cmd("MEMORY")
+            .arg("USAGE")
+            .arg(&k)
+            .arg("SAMPLES")
+            .arg(0)
             .query_async(conn)
             .await
-            .map_err(|e| format!("SCAN: {e}"))?;
-        for k in keys {
-            let n: Option<i64> = redis::cmd("MEMORY")
-                .arg("USAGE")
-                .arg(&k)
-                .arg("SAMPLES")
-                .arg(0)
-                .query_async(conn)
-                .await
-                .map_err(|e| format!("MEMORY USAGE {k}: {e}"))?;
-            sizes.push((k.strip_prefix(prefix).unwrap_or(&k).to_string(), n.unwrap_or(0)));
-        }
-        cursor = next;
-        if cursor == 0 {
-            sizes.sort();
-            return Ok(sizes);
-        }
+            .map_err(|e| format!("MEMORY USAGE {k}: {e}"))?;
+        sizes.push((k.strip_prefix(prefix).unwrap_or(&k).to_string(), n.unwrap_or(0)));
     }
-    Err(format!("SCAN of {pattern} did not finish in {MAX_SCAN_PAGES} pages"))
+    sizes.sort();
+    Ok(sizes)
 }

@@ -13,7 +13,6 @@ use super::{Plan, Results};
 use futures::FutureExt;
 use quota_tests::http::Http;
 use serde_json::json;
-use sqlx::postgres::PgPoolOptions;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -27,17 +26,23 @@ const CALL_TIMEOUT: Duration = Duration::from_secs(12);
 
 /// Which quotas a case spreads its grants over.
 #[derive(Clone, Copy)]
-enum Quotas {
+pub(super) enum Quotas {
+    /// One quota, `hot`, for every client.
     Hot,
+    /// `m{count}-{i}`, each client moving over all of them.
     Many(usize),
+    /// One quota per client, `{prefix}{client}` (no row lock shared).
+    Own(&'static str),
 }
 
 impl Quotas {
-    fn resource(self, client: usize, n: u64) -> String {
+    /// The quota client `client` asks for in its `n`th grant.
+    pub(super) fn resource(self, client: usize, n: u64) -> String {
         match self {
             Quotas::Hot => "hot".into(),
             // A stride coprime with any count spreads clients over different quotas.
             Quotas::Many(q) => format!("m{q}-{}", (client as u64 * 7_919 + n) % q as u64),
+            Quotas::Own(prefix) => format!("{prefix}{client}"),
         }
     }
 }
@@ -88,6 +93,20 @@ fn grant_op(targets: Vec<Http>, quotas: Quotas, agents: Arc<Vec<(String, i64)>>)
     })
 }
 
+/// Grants of `want` 1 from `agents` fresh agents (named after `run`, so
+/// `seq` may restart at 1; registered through the first of `targets`)
+/// spread over `targets`, in a closed loop for `dur`.
+pub(super) async fn measure(
+    targets: Vec<Http>,
+    agents: usize,
+    quotas: Quotas,
+    dur: Duration,
+    run: &str,
+) -> Result<Sample, String> {
+    let registered = crate::pools::register_agents(&targets[0], "bench", run, agents).await?;
+    closed_loop(agents, dur, grant_op(targets, quotas, registered)).await
+}
+
 async fn grants(
     rig: &Rig,
     replicas: usize,
@@ -95,10 +114,8 @@ async fn grants(
     dur: Duration,
     run: &str,
 ) -> Result<Sample, String> {
-    // Fresh names per run, so `seq` may restart at 1.
-    let agents = crate::pools::register_agents(&rig.admin, "bench", run, AGENTS).await?;
     let targets = rig.allocators.iter().take(replicas).map(|a| a.http()).collect();
-    closed_loop(AGENTS, dur, grant_op(targets, quotas, agents)).await
+    measure(targets, AGENTS, quotas, dur, run).await
 }
 
 /// The pgbench side: its tables live in the same database, apart from the
@@ -187,19 +204,8 @@ impl PgBench {
 
 /// Runs the grant and scaling measurements.
 pub async fn run(rig: &Rig, plan: &Plan, out: &mut Results, progress: &dyn Fn(&str)) -> Result<(), String> {
-    let db = PgPoolOptions::new()
-        .max_connections(2)
-        .acquire_timeout(Duration::from_secs(10))
-        .connect(&rig.db.url)
-        .await
-        .map_err(|e| format!("bench connection to PostgreSQL: {e}"))?;
-    crate::pools::put_policy(
-        &rig.admin,
-        TENANT,
-        "hot",
-        &json!({"limit": 1_000_000_000i64, "window_secs": 86_400}),
-    )
-    .await?;
+    let db = crate::pg_conn::connect(&rig.db.url, 2, "bench connection to PostgreSQL").await?;
+    crate::pools::put_limit(&rig.admin, TENANT, "hot", 1_000_000_000, 86_400).await?;
     let many = plan.many_quotas;
     create_quotas(&db, many).await?;
     let pgbench = PgBench::prepare(&db, &rig.db.url, many).await?;
@@ -232,15 +238,13 @@ pub async fn run(rig: &Rig, plan: &Plan, out: &mut Results, progress: &dyn Fn(&s
         }
     }
     for (i, (name, _, _)) in cases.iter().enumerate() {
-        let m = Medians::of(&samples[i]);
-        let k = |s: &str| format!("grants.c64.{name}.{s}");
-        out.set(&k("grants_per_s"), m.per_s);
-        out.set(&k("p50_ms"), m.p50_ms);
-        out.set(&k("p99_ms"), m.p99_ms);
-        out.set(&k("ratio_to_ceiling"), median(&ratios[i]));
-        if m.errors > 0 {
-            out.note(format!("grants {name}: {} errors, first: {:?}", m.errors, m.first_error));
-        }
+        Medians::of(&samples[i]).put(
+            out,
+            &format!("grants.c64.{name}"),
+            "grants_per_s",
+            &format!("grants {name}"),
+        );
+        out.set(&format!("grants.c64.{name}.ratio_to_ceiling"), median(&ratios[i]));
     }
     out.set("grants.c64.pgbench.hot.tps", median(&pg_hot));
     out.set("grants.c64.pgbench.hot.latency_avg_ms", median(&lat_hot));

@@ -135,6 +135,18 @@ impl Medians {
             first_error: samples.iter().find_map(|s| s.first_error.clone()),
         }
     }
+
+    /// Sets `{prefix}.{per_s}` (the throughput's key), `{prefix}.p50_ms`
+    /// and `{prefix}.p99_ms`, and notes errors as `{label}: N errors,
+    /// first: ...`.
+    pub fn put(&self, out: &mut super::Results, prefix: &str, per_s: &str, label: &str) {
+        out.set(&format!("{prefix}.{per_s}"), self.per_s);
+        out.set(&format!("{prefix}.p50_ms"), self.p50_ms);
+        out.set(&format!("{prefix}.p99_ms"), self.p99_ms);
+        if self.errors > 0 {
+            out.note(format!("{label}: {} errors, first: {:?}", self.errors, self.first_error));
+        }
+    }
 }
 
 #[cfg(test)]

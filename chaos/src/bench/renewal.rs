@@ -8,9 +8,7 @@ use super::rig::Rig;
 use super::{Plan, Results};
 use crate::traffic::{self, RegionLoad, Traffic};
 use quota_tests::redis::TestRedis;
-use serde_json::json;
-use sqlx::postgres::PgPoolOptions;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 const TENANT: &str = "bench";
 const RESOURCE: &str = "steady";
@@ -41,19 +39,8 @@ pub async fn run(rig: &Rig, plan: &Plan, out: &mut Results, progress: &dyn Fn(&s
         "renewal: {} req/s steady for {:?} on the default policy (G = {LIMIT} per {WINDOW_SECS} s)",
         plan.steady_rate, plan.steady
     ));
-    let db = PgPoolOptions::new()
-        .max_connections(1)
-        .acquire_timeout(Duration::from_secs(10))
-        .connect(&rig.db.url)
-        .await
-        .map_err(|e| format!("bench connection to PostgreSQL: {e}"))?;
-    crate::pools::put_policy(
-        &rig.admin,
-        TENANT,
-        RESOURCE,
-        &json!({"limit": LIMIT, "window_secs": WINDOW_SECS}),
-    )
-    .await?;
+    let db = crate::pg_conn::connect(&rig.db.url, 1, "bench connection to PostgreSQL").await?;
+    crate::pools::put_limit(&rig.admin, TENANT, RESOURCE, LIMIT, WINDOW_SECS).await?;
     let redis = TestRedis::start();
     let agent = rig.agent(&redis).await;
     let load =

@@ -16,72 +16,27 @@
 //! is paid once per connection; the figures are the steady state's cost of
 //! encryption.
 
-use super::hist::{closed_loop, median, Medians, Op, Sample};
+use super::acquire::{acquire_op_for, client, warm_up};
+use super::grants::{self, Quotas};
+use super::hist::{closed_loop, median, Medians, Sample};
 use super::rig::Rig;
 use super::{Plan, Results};
 use crate::tls::LabTls;
-use futures::FutureExt;
 use quota_tests::allocator_proc::AllocatorProc;
 use quota_tests::http::Http;
 use quota_tests::redis::TestRedis;
 use serde_json::json;
-use std::sync::Arc;
+use std::future::Future;
 use std::time::Duration;
 
 /// Concurrent clients (agents for grants) of every TLS measurement.
 pub const CLIENTS: usize = 16;
 const TENANT: &str = "bench";
 const RESOURCE: &str = "tls";
+/// The grant measurements' quotas: one per agent, `tls-g{c}`.
+const GRANT_QUOTAS: Quotas = Quotas::Own("tls-g");
 /// Every measured call gives up after this long.
 const CALL_TIMEOUT: Duration = Duration::from_secs(10);
-
-fn acquire_op(client: reqwest::Client, base: &str) -> Op {
-    let url = format!("{base}/v1/acquire");
-    let body = Arc::new(json!({"tenant": TENANT, "resource": RESOURCE}).to_string().into_bytes());
-    Arc::new(move |_, _| {
-        let (client, url, body) = (client.clone(), url.clone(), body.clone());
-        async move {
-            let r = client
-                .post(&url)
-                .header("content-type", "application/json")
-                .body(body.as_ref().clone())
-                .send()
-                .await
-                .map_err(|e| format!("acquire: {e}"))?;
-            let status = r.status().as_u16();
-            let _ = r.bytes().await;
-            if status == 200 {
-                Ok(())
-            } else {
-                Err(format!("acquire answered {status}"))
-            }
-        }
-        .boxed()
-    })
-}
-
-/// Grants of `want` 1 by agent `c` on its own quota `tls-g{c}`.
-fn grant_op(http: Http, agents: Arc<Vec<(String, i64)>>) -> Op {
-    Arc::new(move |c, n| {
-        let http = http.clone();
-        let (agent, epoch) = agents[c].clone();
-        let body = json!({
-            "tenant": TENANT, "resource": format!("tls-g{c}"), "region": "bench", "agent": agent,
-            "epoch": epoch, "seq": n, "want": 1, "demand_per_sec": 10.0,
-        });
-        async move {
-            let r = tokio::time::timeout(CALL_TIMEOUT, http.post("/v1/grants", &body))
-                .await
-                .map_err(|_| "grant timed out".to_string())?;
-            if r.status == 200 && r.body["tokens"].as_i64().unwrap_or(0) > 0 {
-                Ok(())
-            } else {
-                Err(format!("grant answered {} {}", r.status, r.body))
-            }
-        }
-        .boxed()
-    })
-}
 
 /// An allocator on the rig's database serving HTTPS with mTLS; killed
 /// when dropped.
@@ -100,129 +55,88 @@ async fn tls_allocator(rig: &Rig, tls: &LabTls) -> Result<TlsAllocator, String> 
     Ok(TlsAllocator { http: a.http(), _proc: a })
 }
 
-/// Runs `plain` and `tls` one after the other, `tls` first when
-/// `tls_first`; answers `(plain, tls)`.
-async fn pair<P, T, FP, FT>(tls_first: bool, plain: P, tls: T) -> Result<(Sample, Sample), String>
-where
-    P: Fn() -> FP,
-    T: Fn() -> FT,
-    FP: std::future::Future<Output = Result<Sample, String>>,
-    FT: std::future::Future<Output = Result<Sample, String>>,
-{
-    if tls_first {
-        let t = tls().await?;
-        Ok((plain().await?, t))
-    } else {
-        let p = plain().await?;
-        Ok((p, tls().await?))
-    }
+/// One comparison's samples over the repetitions: the plain side, the
+/// TLS side and the TLS / plain throughput ratio of each repetition.
+#[derive(Default)]
+struct Compared {
+    plain: Vec<Sample>,
+    tls: Vec<Sample>,
+    ratios: Vec<f64>,
 }
 
-/// Records `plain` and `tls` medians under `{prefix}.{plain_name|tls_name}`
-/// and the TLS / plain throughput ratio.
-fn record(
-    out: &mut Results,
-    prefix: &str,
-    per_s: &str,
-    (plain_name, plain): (&str, &[Sample]),
-    (tls_name, tls): (&str, &[Sample]),
-    ratios: &[f64],
-) {
-    for (name, samples) in [(plain_name, plain), (tls_name, tls)] {
-        let m = Medians::of(samples);
-        out.set(&format!("{prefix}.{name}.{per_s}"), m.per_s);
-        out.set(&format!("{prefix}.{name}.p50_ms"), m.p50_ms);
-        out.set(&format!("{prefix}.{name}.p99_ms"), m.p99_ms);
-        if m.errors > 0 {
-            out.note(format!("{prefix}.{name}: {} errors, first: {:?}", m.errors, m.first_error));
-        }
+impl Compared {
+    /// Measures both sides once, `tls` first when `tls_first`.
+    async fn measure<FP, FT>(&mut self, tls_first: bool, plain: FP, tls: FT) -> Result<(), String>
+    where
+        FP: Future<Output = Result<Sample, String>>,
+        FT: Future<Output = Result<Sample, String>>,
+    {
+        let (p, t) = if tls_first {
+            let t = tls.await?;
+            (plain.await?, t)
+        } else {
+            let p = plain.await?;
+            (p, tls.await?)
+        };
+        self.ratios.push(t.per_s / p.per_s.max(f64::MIN_POSITIVE));
+        self.plain.push(p);
+        self.tls.push(t);
+        Ok(())
     }
-    out.set(&format!("{prefix}.{tls_name}.ratio_to_{plain_name}"), median(ratios));
+
+    /// Records the medians of each side under `{prefix}.{plain_name|tls_name}`
+    /// and the TLS / plain throughput ratio.
+    fn record(&self, out: &mut Results, prefix: &str, per_s: &str, plain_name: &str, tls_name: &str) {
+        for (name, samples) in [(plain_name, &self.plain), (tls_name, &self.tls)] {
+            let key = format!("{prefix}.{name}");
+            Medians::of(samples).put(out, &key, per_s, &key);
+        }
+        out.set(&format!("{prefix}.{tls_name}.ratio_to_{plain_name}"), median(&self.ratios));
+    }
 }
 
 /// Runs the TLS measurements on `rig`.
 pub async fn run(rig: &Rig, plan: &Plan, out: &mut Results, progress: &dyn Fn(&str)) -> Result<(), String> {
     progress("tls: throwaway CA, a Redis over TLS and one plain, an agent on each");
     let tls = LabTls::generate()?;
-    crate::pools::put_policy(
-        &rig.admin,
-        TENANT,
-        RESOURCE,
-        &json!({"limit": 1_000_000_000i64, "window_secs": 86_400}),
-    )
-    .await?;
+    crate::pools::put_limit(&rig.admin, TENANT, RESOURCE, 1_000_000_000, 86_400).await?;
     let plain_redis = TestRedis::start();
     let tls_redis = TestRedis::start_tls(&tls.server, true, &[]);
     let plain_agent = rig.agent_as("plain", &plain_redis.url, Vec::new()).await;
     let mut redis_env = tls.agent_env("tls");
     redis_env.retain(|(k, _)| k.starts_with("AGENT_REDIS_"));
     let tls_agent = rig.agent_as("tls", &tls_redis.tls_url(), redis_env).await;
-    let http = quota_tests::http::client_builder()
-        .timeout(CALL_TIMEOUT)
-        .pool_max_idle_per_host(128)
-        .build()
-        .map_err(|e| format!("http client: {e}"))?;
+    let http = client(CALL_TIMEOUT)?;
+    let acquire_op = |base: &str| acquire_op_for(http.clone(), base, &[RESOURCE], false);
     for a in [&plain_agent, &tls_agent] {
-        // Warm: the agent learns the policy and credits a first lease.
-        let warm = closed_loop(4, Duration::from_millis(500), acquire_op(http.clone(), &a.base)).await?;
-        if warm.ok == 0 {
-            return Err(format!(
-                "agent {} never admitted during warm-up: {:?}",
-                a.opts.agent, warm.first_error
-            ));
-        }
+        warm_up(&format!("agent {}", a.opts.agent), acquire_op(&a.base)).await?;
     }
 
     progress("tls: an allocator serving HTTPS with mTLS beside the plain one");
     let https = tls_allocator(rig, &tls).await?;
     let plain_http = rig.allocators[0].http();
-    let grant_quotas = (0..CLIENTS).map(|c| format!("tls-g{c}"));
+    let grant_quotas = (0..CLIENTS).map(|c| GRANT_QUOTAS.resource(c, 0));
     let body = json!({"limit": 1_000_000_000i64, "window_secs": 86_400});
     crate::pools::put_policies(&rig.admin, TENANT, grant_quotas, &body).await?;
 
-    let (mut a_plain, mut a_tls, mut a_ratio) = (Vec::new(), Vec::new(), Vec::new());
-    let (mut g_plain, mut g_tls, mut g_ratio) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut decisions, mut grant_runs) = (Compared::default(), Compared::default());
     for rep in 0..plan.reps {
         // Which side goes first alternates: the first run after a pause
         // meets colder caches and connection pools, and the machine's load
         // drifts; a fixed order would charge that to one side.
         let tls_first = rep % 2 == 1;
         progress(&format!("tls: decisions, redis:// and rediss://, repetition {}/{}", rep + 1, plan.reps));
-        let plain_op = acquire_op(http.clone(), &plain_agent.base);
-        let tls_op = acquire_op(http.clone(), &tls_agent.base);
-        let (p, t) = pair(
-            tls_first,
-            || closed_loop(CLIENTS, plan.acquire, plain_op.clone()),
-            || closed_loop(CLIENTS, plan.acquire, tls_op.clone()),
-        )
-        .await?;
-        a_ratio.push(t.per_s / p.per_s.max(f64::MIN_POSITIVE));
-        a_plain.push(p);
-        a_tls.push(t);
+        let plain = closed_loop(CLIENTS, plan.acquire, acquire_op(&plain_agent.base));
+        let tls = closed_loop(CLIENTS, plan.acquire, acquire_op(&tls_agent.base));
+        decisions.measure(tls_first, plain, tls).await?;
 
         progress(&format!("tls: grants, http and https, repetition {}/{}", rep + 1, plan.reps));
-        // Fresh agent names per run, so `seq` may restart at 1.
-        let plain_op = grant_op(
-            plain_http.clone(),
-            crate::pools::register_agents(&plain_http, "bench", &format!("tlsh{rep}"), CLIENTS).await?,
-        );
-        let tls_op = grant_op(
-            https.http.clone(),
-            crate::pools::register_agents(&https.http, "bench", &format!("tlss{rep}"), CLIENTS).await?,
-        );
-        let (p, t) = pair(
-            tls_first,
-            || closed_loop(CLIENTS, plan.grants, plain_op.clone()),
-            || closed_loop(CLIENTS, plan.grants, tls_op.clone()),
-        )
-        .await?;
-        g_ratio.push(t.per_s / p.per_s.max(f64::MIN_POSITIVE));
-        g_plain.push(p);
-        g_tls.push(t);
+        let (plain_run, tls_run) = (format!("tlsh{rep}"), format!("tlss{rep}"));
+        let plain = grants::measure(vec![plain_http.clone()], CLIENTS, GRANT_QUOTAS, plan.grants, &plain_run);
+        let tls = grants::measure(vec![https.http.clone()], CLIENTS, GRANT_QUOTAS, plan.grants, &tls_run);
+        grant_runs.measure(tls_first, plain, tls).await?;
     }
-    let acquire = format!("acquire.c{CLIENTS}");
-    record(out, &acquire, "decisions_per_s", ("redis_plain", &a_plain), ("redis_tls", &a_tls), &a_ratio);
-    let grants = format!("grants.c{CLIENTS}");
-    record(out, &grants, "grants_per_s", ("http", &g_plain), ("https", &g_tls), &g_ratio);
+    decisions.record(out, &format!("acquire.c{CLIENTS}"), "decisions_per_s", "redis_plain", "redis_tls");
+    grant_runs.record(out, &format!("grants.c{CLIENTS}"), "grants_per_s", "http", "https");
     Ok(())
 }

@@ -94,12 +94,7 @@ impl Run {
             "fail_mode": if strict { "strict" } else { "bounded" },
         });
         crate::pools::put_policy(&stack.admin, TENANT, RESOURCE, &policy).await?;
-        let db = sqlx::postgres::PgPoolOptions::new()
-            .max_connections(2)
-            .acquire_timeout(Duration::from_secs(10))
-            .connect(&stack.db.url)
-            .await
-            .map_err(|e| format!("connect to the stack's database: {e}"))?;
+        let db = crate::pg_conn::connect(&stack.db.url, 2, "connect to the stack's database").await?;
         Ok(Run {
             name,
             p: p.clone(),

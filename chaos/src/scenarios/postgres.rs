@@ -18,6 +18,7 @@
 
 use super::harness::{Profile, Run, RESOURCE, TENANT};
 use crate::bins::Bins;
+use crate::redis_conn;
 use crate::report::ScenarioReport;
 use quota_tests::proxy::{Fault, FaultProxy};
 use serde_json::json;
@@ -60,33 +61,9 @@ async fn register_probe(run: &Run) -> Result<i64, String> {
 async fn credited_leases(run: &Run) -> Result<BTreeSet<String>, String> {
     let mut ids = BTreeSet::new();
     for r in &run.stack.regions {
-        let client = redis::Client::open(r.redis.url.as_str()).map_err(|e| format!("redis url: {e}"))?;
-        let cfg = redis::AsyncConnectionConfig::new().set_response_timeout(Some(Duration::from_secs(10)));
-        let mut c = tokio::time::timeout(
-            Duration::from_secs(10),
-            client.get_multiplexed_async_connection_with_config(&cfg),
-        )
-        .await
-        .map_err(|_| "connecting to Redis timed out".to_string())?
-        .map_err(|e| format!("connecting to Redis: {e}"))?;
-        let pattern = format!("{}q:*:l:*", r.redis.prefix);
-        let mut cursor = 0u64;
-        loop {
-            let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
-                .arg(cursor)
-                .arg("MATCH")
-                .arg(&pattern)
-                .arg("COUNT")
-                .arg(1000)
-                .query_async(&mut c)
-                .await
-                .map_err(|e| format!("SCAN: {e}"))?;
-            ids.extend(keys.iter().filter_map(|k| k.rsplit_once(":l:").map(|(_, id)| id.to_string())));
-            if next == 0 {
-                break;
-            }
-            cursor = next;
-        }
+        let mut c = redis_conn::connect(&r.redis.url, Duration::from_secs(10)).await?;
+        let keys = redis_conn::scan(&mut c, &format!("{}q:*:l:*", r.redis.prefix)).await?;
+        ids.extend(keys.iter().filter_map(|k| k.rsplit_once(":l:").map(|(_, id)| id.to_string())));
     }
     Ok(ids)
 }
@@ -176,12 +153,7 @@ pub async fn failover(p: &Profile, bins: Bins, synchronous: bool) -> Result<Scen
         (promoted - killed).num_milliseconds() as f64 / 1000.0
     ));
     run.db.close().await;
-    run.db = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(2)
-        .acquire_timeout(Duration::from_secs(10))
-        .connect(&standby.url)
-        .await
-        .map_err(|e| format!("connect to the new primary: {e}"))?;
+    run.db = crate::pg_conn::connect(&standby.url, 2, "connect to the new primary").await?;
 
     let probe_after = register_probe(&run).await?;
     run.check(

@@ -19,15 +19,7 @@ const US: f64 = 0.4;
 /// Sends one command (`args[0]` with its arguments) to a region's Redis,
 /// bounded by a timeout.
 async fn redis_cmd(url: &str, args: &[&str]) -> Result<String, String> {
-    let client = redis::Client::open(url).map_err(|e| format!("redis url: {e}"))?;
-    let cfg = redis::AsyncConnectionConfig::new().set_response_timeout(Some(Duration::from_secs(10)));
-    let mut c = tokio::time::timeout(
-        Duration::from_secs(10),
-        client.get_multiplexed_async_connection_with_config(&cfg),
-    )
-    .await
-    .map_err(|_| "connecting to Redis timed out".to_string())?
-    .map_err(|e| format!("connecting to Redis: {e}"))?;
+    let mut c = crate::redis_conn::connect(url, Duration::from_secs(10)).await?;
     let mut cmd = redis::cmd(args[0]);
     for a in &args[1..] {
         cmd.arg(*a);
@@ -84,19 +76,26 @@ pub async fn redis_rollback(p: &Profile, bins: Bins) -> Result<ScenarioReport, S
     // at most two outbox intervals (200 ms) of eu's rate.
     let allowed = (p.rate(EU) * 0.8).ceil() as i64;
     run.allow_loss_between(saved - 1, at + 1, allowed);
+    eu_recovers(&mut run, allowed, "rollback", 2.0).await;
+    run.finish().await
+}
+
+/// The end of a scenario that rolled eu's Redis back (`what`: how): notes
+/// the `allowed` loss already granted, then eu must admit again within
+/// `windows` and its agents must have detected the rollback.
+async fn eu_recovers(run: &mut Run, allowed: i64, what: &str, windows: f64) {
     run.note(format!(
-        "the allocator may count up to {allowed} admits fewer around the rollback (docs/limits.md)"
+        "the allocator may count up to {allowed} admits fewer around the {what} (docs/limits.md)"
     ));
     let before = region_total(&run.tally(), "eu");
-    run.pass(2.0).await;
+    run.pass(windows).await;
     let after = region_total(&run.tally(), "eu").since(&before);
-    run.check(after.admitted() > 0, format!("eu admitted {} after the rollback", after.admitted()));
-    let detected = agents_metric(&run, "eu", "agent_redis_rollbacks_total").await;
+    run.check(after.admitted() > 0, format!("eu admitted {} after the {what}", after.admitted()));
+    let detected = agents_metric(run, "eu", "agent_redis_rollbacks_total").await;
     run.check(
         detected > 0.0,
         format!("eu's agents detected the rollback ({detected} quota states stranded)"),
     );
-    run.finish().await
 }
 
 /// The first admit of `region`'s clients among `answers` (sent at or after
@@ -196,18 +195,7 @@ pub async fn redis_failover(p: &Profile, bins: Bins) -> Result<ScenarioReport, S
     // cut and the kill.
     let allowed = (p.rate(EU) * 0.8).ceil() as i64;
     run.lost_allowance = Some((run.window_key(cut - 1), run.window_key(killed_ms / 1000 + 1), allowed));
-    run.note(format!(
-        "the allocator may count up to {allowed} admits fewer around the failover (docs/limits.md)"
-    ));
-    let before = region_total(&run.tally(), "eu");
-    run.pass(1.5).await;
-    let after = region_total(&run.tally(), "eu").since(&before);
-    run.check(after.admitted() > 0, format!("eu admitted {} after the failover", after.admitted()));
-    let detected = agents_metric(&run, "eu", "agent_redis_rollbacks_total").await;
-    run.check(
-        detected > 0.0,
-        format!("eu's agents detected the rollback ({detected} quota states stranded)"),
-    );
+    eu_recovers(&mut run, allowed, "failover", 1.5).await;
     run.finish().await
 }
 
