@@ -5,7 +5,7 @@
 //! with a fault proxy (`quota_tests::proxy`) on every link.
 //!
 //! * [`bins`]: building and finding the service binaries, checking servers.
-//! * [`profile`]: why the lab runs the dev build and benchmarks the release one.
+//! * [`profile`]: a measuring benchmark runs only in a release build (`cargo lab` picks the profile: `lab/`).
 //! * [`install`]: PostgreSQL and Redis servers: found, installed with apt-get, or the command printed.
 //! * [`stack`]: starting and stopping the whole stack.
 //! * [`pools`]: the policies and agent identities the bench and scenarios set up.

@@ -47,7 +47,8 @@ fn main() -> ExitCode {
     }
     if let Cmd::Bench(a) = &cli.cmd {
         if chaos::profile::bench_needs_release(a.smoke, chaos::profile::optimised()) {
-            return chaos::profile::rerun_in_release(std::env::args_os().skip(1));
+            eprintln!("quota-lab: {}", chaos::profile::USE_RELEASE);
+            return ExitCode::from(2);
         }
     }
     let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
