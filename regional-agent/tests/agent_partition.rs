@@ -3,14 +3,16 @@
 
 mod common;
 
-use common::{acquire, hammer, next_window, Tally, World};
+use common::{acquire, hammer, Tally, World};
 use quota_tests::proxy::{Fault, FaultProxy};
 use serde_json::json;
 use std::time::Duration;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bounded_partition_admits_at_most_the_fallback_allowance_and_heals_exactly() {
-    let w = World::start().await;
+    // The first window ends a few seconds in (time to start the agent and
+    // admit), not at the next real 30 s boundary.
+    let w = World::start_clocked(30, Duration::from_secs(4)).await;
     w.policy(
         "atlas",
         "p",
@@ -23,7 +25,7 @@ async fn bounded_partition_admits_at_most_the_fallback_allowance_and_heals_exact
     // spent (the safe side); start the partition in a later window.
     let mut tally = Tally::default();
     tally.merge(&hammer(&a.http, "p", (0, ""), 3).await);
-    next_window(30).await;
+    w.clock.next_window(30, Duration::ZERO).await;
     tally.merge(&hammer(&a.http, "p", (0, ""), 3).await);
     sw.set(Fault::Blackhole);
     let during = hammer(&a.http, "p", (503, "allocator_unreachable"), 400).await;

@@ -151,9 +151,11 @@ async fn redis_back_from_an_older_snapshot_never_admits_beyond_g() {
 /// region never admits more than its allowance in the window.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rolled_back_fallback_counter_counts_as_spent() {
-    let mut w = World::start().await;
     let allowance = 30;
     let window = 20;
+    // The first window ends a few seconds in (time to start both agents and
+    // admit), not at the next real boundary.
+    let mut w = World::start_clocked(window, Duration::from_secs(5)).await;
     w.policy(
         "atlas",
         "fb",
@@ -168,8 +170,7 @@ async fn a_rolled_back_fallback_counter_counts_as_spent() {
     admit_until(&b.http, "fb", 5, &mut tally).await;
     // A region first seen empty counts its first window's fallback as
     // spent (the crate doc): the partition comes in the next window.
-    let next = (chrono::Utc::now().timestamp() / window + 1) * window;
-    quota_tests::wait::until_utc(chrono::DateTime::from_timestamp(next, 300_000_000).unwrap()).await;
+    let next = w.clock.next_window(window, Duration::from_millis(300)).await;
     admit_until(&a.http, "fb", 3, &mut tally).await;
     sw.set(Fault::Blackhole);
     // Spend the leases, then some of the fallback.
@@ -185,7 +186,7 @@ async fn a_rolled_back_fallback_counter_counts_as_spent() {
     assert_eq!(during.fallback(), allowance, "the allowance is spent before the crash: {during:?}");
     w.redis.restart_from_snapshot();
     drain_both(&a.http, &b.http, "fb", &mut during, 10).await;
-    assert!(chrono::Utc::now().timestamp() < next + window, "the phase outgrew its window");
+    assert!(w.clock.now().timestamp() < next + window, "the phase outgrew its window");
     tally.merge(&during);
     for (ws, (_, fb)) in &tally.by_window {
         assert!(*fb <= allowance, "window {ws}: {fb} fallback admits > allowance {allowance}: {tally:?}");
@@ -256,9 +257,12 @@ async fn unknown_quota_names_leave_nothing_behind() {
 /// the region's one clock, not from each replica's).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn skewed_replicas_share_one_fallback_counter_per_real_window() {
-    let w = World::start().await;
     let allowance = 12;
     let window = 20;
+    // The allocator's window ends a few seconds in (time to start both
+    // agents and admit), not at the next real boundary; the replicas' own
+    // clocks are 30 s off the allocator's, as before.
+    let w = World::start_clocked(window, Duration::from_secs(5)).await;
     w.policy(
         "atlas",
         "skew",
@@ -266,23 +270,23 @@ async fn skewed_replicas_share_one_fallback_counter_per_real_window() {
     )
     .await;
     let sw = FaultProxy::in_front_of(&w.stack.alloc.base).await.expect("fault proxy");
-    let ahead = w.agent("eu", "eu-1", Some(&sw.http_url()), &[("AGENT_TEST_CLOCK_OFFSET_MS", "30000")]).await;
-    let behind =
-        w.agent("eu", "eu-2", Some(&sw.http_url()), &[("AGENT_TEST_CLOCK_OFFSET_MS", "-30000")]).await;
+    let skewed = |ms| w.clock.agent_env(ms);
+    let (var, ahead_ms) = skewed(30_000);
+    let ahead = w.agent("eu", "eu-1", Some(&sw.http_url()), &[(&var, &ahead_ms)]).await;
+    let (var, behind_ms) = skewed(-30_000);
+    let behind = w.agent("eu", "eu-2", Some(&sw.http_url()), &[(&var, &behind_ms)]).await;
     let mut warm = Tally::default();
     admit_until(&ahead.http, "skew", 3, &mut warm).await;
     admit_until(&behind.http, "skew", 3, &mut warm).await;
     // Line up with the start of a real window so the partition phase fits in it.
-    let now = chrono::Utc::now().timestamp();
-    let next = (now / window + 1) * window;
-    quota_tests::wait::until_utc(chrono::DateTime::from_timestamp(next, 500_000_000).unwrap()).await;
+    let next = w.clock.next_window(window, Duration::from_millis(500)).await;
     sw.set(Fault::Blackhole);
     let mut during = Tally::default();
     let mut fallback_in_real_window = 0;
     let mut refused = [0; 2];
     let mut i = 0;
     while refused.iter().any(|r| *r < 5) {
-        let sent = chrono::Utc::now().timestamp();
+        let sent = w.clock.now().timestamp();
         assert!(sent < next + window - 1, "the partition phase outgrew its window: {during:?}");
         let which = i % 2;
         i += 1;

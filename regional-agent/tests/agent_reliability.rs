@@ -389,7 +389,14 @@ async fn shutdown_is_bounded_with_redis_and_the_allocator_gone() {
     a.start().await;
     w.redis.signal(libc::SIGSTOP);
     a.signal(libc::SIGTERM);
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // It stops serving once the first signal's stop is under way (and
+    // waiting on the stopped Redis); the task that handles a second signal
+    // was spawned just before.
+    wait::until("the agent's stop under way", Duration::from_secs(10), || {
+        let http = a.http.clone();
+        async move { http.get_status("/healthz").await.is_none().then_some(()) }
+    })
+    .await;
     let t = Instant::now();
     let _ = a.stop(libc::SIGTERM);
     let second = t.elapsed();

@@ -8,6 +8,7 @@ use common::{acquire, Tally, World};
 use quota_tests::fixtures::{grant, grant_body};
 use quota_tests::proxy::{Fault, FaultProxy};
 use serde_json::json;
+use std::time::Duration;
 
 async fn admit_n(http: &quota_tests::http::Http, resource: &str, n: usize) -> Tally {
     let mut t = Tally::default();
@@ -44,7 +45,9 @@ async fn sigkill_and_restart_gets_a_new_epoch_and_loses_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_restarting_empty_keeps_the_fallback_bound() {
-    let mut w = World::start().await;
+    // The region's first window ends a few seconds in (time to start the
+    // agent and admit), not at the next real UTC minute.
+    let mut w = World::start_clocked(60, Duration::from_secs(4)).await;
     let allowance = 5;
     w.policy(
         "atlas",
@@ -57,8 +60,7 @@ async fn redis_restarting_empty_keeps_the_fallback_bound() {
     let mut tally = admit_n(&a.http, "r", 3).await;
     let epoch = a.epoch().await;
     // Leave the region's first window (its fallback is treated as spent).
-    let now = chrono::Utc::now().timestamp();
-    quota_tests::wait::until_utc(chrono::DateTime::from_timestamp((now / 60 + 1) * 60, 0).unwrap()).await;
+    w.clock.next_window(60, Duration::ZERO).await;
     tally.merge(&admit_n(&a.http, "r", 3).await);
     sw.set(Fault::Blackhole);
     let mut during = Tally::default();
@@ -82,13 +84,13 @@ async fn redis_restarting_empty_keeps_the_fallback_bound() {
         assert!(lease + fb <= 1000 + allowance, "I6 in window {ws}");
     }
     sw.set(Fault::Pass);
-    quota_tests::wait::until("a new epoch after the data loss", std::time::Duration::from_secs(20), || {
+    quota_tests::wait::until("a new epoch after the data loss", Duration::from_secs(20), || {
         let http = a.http.clone();
         async move { (http.get("/v1/status").await.body["epoch"].as_i64().unwrap_or(0) > epoch).then_some(()) }
     })
     .await;
     // Admission resumes from new leases.
-    quota_tests::wait::until("admits after heal", std::time::Duration::from_secs(15), || {
+    quota_tests::wait::until("admits after heal", Duration::from_secs(15), || {
         let http = a.http.clone();
         async move { (acquire(&http, "atlas", "r").await.status == 200).then_some(()) }
     })

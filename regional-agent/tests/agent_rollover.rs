@@ -10,22 +10,23 @@ use std::time::{Duration, Instant};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_admission_gap_at_the_window_boundary() {
-    let w = World::start().await;
     let secs = 4;
+    // The warm-up window starts once the agent is up, not at the next real
+    // boundary.
+    let w = World::start_clocked(secs, Duration::from_secs(2)).await;
     w.policy("atlas", "roll", json!({"limit": 100_000, "window_secs": secs, "chunk_max": 5000})).await;
     let a = w.agent("eu", "eu-1", None, &[]).await;
     // Warm up into a fresh window so demand is measured.
-    let now = chrono::Utc::now().timestamp();
-    quota_tests::wait::until_utc(chrono::DateTime::from_timestamp((now / secs + 1) * secs, 0).unwrap()).await;
+    let warm_up = w.clock.next_window(secs, Duration::ZERO).await;
     let until = Instant::now() + Duration::from_secs(3 * secs as u64);
     let mut tasks = Vec::new();
     for _ in 0..8 {
-        let http = a.http.clone();
+        let (http, clock) = (a.http.clone(), w.clock.clone());
         tasks.push(tokio::spawn(async move {
             let mut out = Vec::new();
             while Instant::now() < until {
                 let r = acquire(&http, "atlas", "roll").await;
-                let at = chrono::Utc::now().timestamp_millis();
+                let at = clock.now().timestamp_millis();
                 out.push((at, r.status));
                 tokio::time::sleep(Duration::from_millis(5)).await;
             }
@@ -33,7 +34,7 @@ async fn no_admission_gap_at_the_window_boundary() {
         }));
     }
     let (mut after, mut after_denied, mut mid, mut mid_denied) = (0, 0, 0, 0);
-    let first_window_end = ((now / secs + 1) * secs + secs) * 1000;
+    let first_window_end = (warm_up + secs) * 1000;
     for t in tasks {
         for (at, status) in t.await.unwrap() {
             if at < first_window_end {

@@ -54,20 +54,21 @@ async fn drive(
 /// window at the given demands; returns the 200s of (EU, US) in the measured
 /// window.
 async fn run(resource: &'static str, eu_demand: i64, us_demand: i64) -> (i64, i64) {
-    let w = World::start().await;
+    // The warm-up window starts once both agents are up, not at the next
+    // real boundary.
+    let w = World::start_clocked(SECS, Duration::from_secs(3)).await;
     w.policy("atlas", resource, json!({"limit": G, "window_secs": SECS})).await;
     let eu = w.agent("eu", "eu-1", None, &[("AGENT_REDIS_PREFIX", "eu:")]).await;
     let us = w.agent("us", "us-1", None, &[("AGENT_REDIS_PREFIX", "us:")]).await;
     // Align to a window boundary: one warm-up window (demand is measured),
     // then the measured window.
-    let now = chrono::Utc::now().timestamp();
-    let mut first = (now / SECS + 1) * SECS;
-    if first * 1000 - chrono::Utc::now().timestamp_millis() < 300 {
+    let mut first = w.clock.next_boundary(SECS);
+    if first * 1000 - w.clock.now().timestamp_millis() < 300 {
         first += SECS;
     }
     let measured_start = first + SECS;
     let measured = norm(&chrono::DateTime::from_timestamp(measured_start, 0).unwrap().to_rfc3339());
-    quota_tests::wait::until_utc(chrono::DateTime::from_timestamp(first, 0).unwrap()).await;
+    w.clock.until(chrono::DateTime::from_timestamp(first, 0).unwrap()).await;
     let start = Instant::now();
     let a = tokio::spawn(drive(eu.http.clone(), resource, eu_demand, start, 2, measured.clone()));
     let b = tokio::spawn(drive(us.http.clone(), resource, us_demand, start, 2, measured.clone()));

@@ -9,9 +9,10 @@
 
 mod common;
 
-use common::{acquire, hammer, next_window, Tally, World};
+use common::{acquire, hammer, Tally, World};
 use quota_tests::proxy::{Fault, FaultProxy};
 use serde_json::json;
+use std::time::Duration;
 
 const WINDOW: i64 = 45;
 const ALLOWANCE: i64 = 7;
@@ -37,7 +38,9 @@ async fn redis_now_ms(conn: &mut redis::aio::MultiplexedConnection) -> Option<i6
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn old_and_new_agents_on_one_redis_never_admit_more_than_the_bound() {
-    let w = World::start().await;
+    // The first window ends a few seconds in (time to start both agents
+    // and admit), not at the next real boundary.
+    let w = World::start_clocked(WINDOW, Duration::from_secs(6)).await;
     w.policy(
         "atlas",
         "u",
@@ -63,8 +66,7 @@ async fn old_and_new_agents_on_one_redis_never_admit_more_than_the_bound() {
     let mut tally = Tally::default();
     tally.merge(&hammer(&old.http, "u", (0, ""), 3).await);
     tally.merge(&hammer(&new.http, "u", (0, ""), 3).await);
-    next_window(WINDOW).await;
-    let window_end = (chrono::Utc::now().timestamp() / WINDOW + 1) * WINDOW;
+    let window_end = w.clock.next_window(WINDOW, Duration::ZERO).await + WINDOW;
     sw.set(Fault::Blackhole);
     // The old agent spends its leases, then 4 of the region's 7.
     let old_during = until_fallback(&old.http, 4, 300).await;
@@ -84,7 +86,7 @@ async fn old_and_new_agents_on_one_redis_never_admit_more_than_the_bound() {
     // liveness lapsed and the gate passed, its count is frozen and the new
     // agent adds it to its own: 3 left in this window, not a fresh 7 (F34).
     old.stop(9);
-    quota_tests::wait::until("the old agent's liveness lapses", std::time::Duration::from_secs(30), || {
+    quota_tests::wait::until("the old agent's liveness lapses", Duration::from_secs(30), || {
         let mut conn = conn.clone();
         async move {
             let live: i64 =
@@ -93,7 +95,7 @@ async fn old_and_new_agents_on_one_redis_never_admit_more_than_the_bound() {
         }
     })
     .await;
-    quota_tests::wait::until("the legacy gate passes", std::time::Duration::from_secs(30), || {
+    quota_tests::wait::until("the legacy gate passes", Duration::from_secs(30), || {
         let mut conn = conn.clone();
         async move {
             let gate: i64 = redis::cmd("GET").arg("r:{2:eu}:legacy").query_async(&mut conn).await.ok()?;
@@ -102,7 +104,7 @@ async fn old_and_new_agents_on_one_redis_never_admit_more_than_the_bound() {
     })
     .await;
     assert!(
-        chrono::Utc::now().timestamp() < window_end - 2,
+        w.clock.now().timestamp() < window_end - 2,
         "the gate passed too late for this test to say anything (window ends at {window_end})"
     );
     let new_after = hammer(&new.http, "u", stop, 300).await;

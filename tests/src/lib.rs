@@ -22,6 +22,8 @@
 //! * [`http`]: a JSON client that returns status, headers and body.
 //! * [`fixtures`]: allocator API helpers (policy, register, grant, pool rows).
 //! * [`wait`]: polling a condition with a deadline instead of sleeping.
+//! * [`clock`]: one shifted clock for the allocator and the agents of a
+//!   test, so its windows start when it wants, not at a real boundary.
 //! * [`tls`]: certificates made per test (rcgen) and a rustls probe client.
 //! * [`chromium`]: headless Chromium rendering the `/ui` pages.
 
@@ -29,6 +31,7 @@ pub mod agent;
 pub mod allocator_proc;
 pub mod app;
 pub mod chromium;
+pub mod clock;
 pub mod fixtures;
 pub mod http;
 pub mod pg;

@@ -4,6 +4,8 @@
 #![allow(dead_code)]
 
 use quota_tests::agent::{AgentOpts, AgentProc};
+use quota_tests::app::{Options, TestAllocator};
+use quota_tests::clock::TestClock;
 use quota_tests::fixtures::{put_policy, Stack};
 use quota_tests::http::{Http, Resp};
 use quota_tests::redis::TestRedis;
@@ -25,24 +27,46 @@ pub struct World {
     pub redis: TestRedis,
     /// A local Redis Cluster the agents use instead of `redis` when set.
     pub cluster: Option<TestRedisCluster>,
+    /// The clock the allocator and every agent read windows from.
+    pub clock: TestClock,
 }
 
 impl World {
     pub async fn start() -> World {
-        World { stack: Stack::start().await, redis: TestRedis::start(), cluster: None }
+        World::start_with_redis(TestRedis::start()).await
     }
 
     /// PostgreSQL, the allocator and the given Redis (e.g. one started with
     /// extra arguments).
     pub async fn start_with_redis(redis: TestRedis) -> World {
-        World { stack: Stack::start().await, redis, cluster: None }
+        World { stack: Stack::start().await, redis, cluster: None, clock: TestClock::real() }
+    }
+
+    /// PostgreSQL, the allocator and one Redis on a clock whose next
+    /// boundary of `secs`-second windows comes `lead` after they are up
+    /// (the time the test needs to reach it); every agent started by
+    /// [`World::agent`] follows that clock. See `quota_tests::clock`.
+    pub async fn start_clocked(secs: i64, lead: Duration) -> World {
+        let db = quota_tests::pg::TestDb::start().await;
+        let redis = TestRedis::start();
+        // Picked once the slow start-ups are done, so the lead is the test's.
+        let clock = TestClock::boundary_in(secs, lead);
+        let opts = Options { clock: Some(clock.shared()), ..Default::default() };
+        let alloc = TestAllocator::spawn_with(&db.url, opts).await;
+        let http = Http::new(&alloc.base);
+        World { stack: Stack { db, alloc, http }, redis, cluster: None, clock }
     }
 
     /// PostgreSQL, the allocator and a local 3-master Redis Cluster the
     /// agents are pointed at (as a comma-separated node list).
     pub async fn start_cluster() -> World {
         let cluster = tokio::task::spawn_blocking(TestRedisCluster::start).await.expect("cluster start");
-        World { stack: Stack::start().await, redis: TestRedis::start(), cluster: Some(cluster) }
+        World {
+            stack: Stack::start().await,
+            redis: TestRedis::start(),
+            cluster: Some(cluster),
+            clock: TestClock::real(),
+        }
     }
 
     /// The `--redis` the agents get.
@@ -55,7 +79,8 @@ impl World {
         put_policy(&self.stack.http, tenant, resource, body).await
     }
 
-    /// Starts an agent of `region` talking to `allocator` (default: the real one).
+    /// Starts an agent of `region` talking to `allocator` (default: the real
+    /// one), on the world's clock unless `env` shifts it otherwise.
     pub async fn agent(
         &self,
         region: &str,
@@ -65,6 +90,9 @@ impl World {
     ) -> AgentProc {
         let mut opts =
             AgentOpts::new(region, agent, allocator.unwrap_or(&self.stack.alloc.base), self.redis_url());
+        if self.clock.offset_ms() != 0 {
+            opts.env.push(self.clock.agent_env(0));
+        }
         opts.env.extend(env.iter().map(|(k, v)| (k.to_string(), v.to_string())));
         AgentProc::spawn(bin(), opts).await
     }
@@ -321,13 +349,6 @@ pub async fn multi_quota_all_or_nothing(w: &World) {
     assert_eq!(catalog.by_window, search.by_window);
     w.wait_accounting("atlas", "catalog", &catalog.by_window).await;
     w.wait_accounting("atlas", "search", &search.by_window).await;
-}
-
-/// Waits for the start of the next `secs`-second UTC window.
-pub async fn next_window(secs: i64) {
-    let now = chrono::Utc::now().timestamp();
-    let next = (now / secs + 1) * secs;
-    quota_tests::wait::until_utc(chrono::DateTime::from_timestamp(next, 0).unwrap()).await;
 }
 
 /// Hammers until `stop` answers are seen in a row or `max` requests.
