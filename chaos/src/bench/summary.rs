@@ -170,19 +170,20 @@ pub fn performance(r: &BenchReport) -> String {
         String::new(),
     );
     let c = super::tls::CLIENTS;
-    for (what, prefix, per_s, plain, tls, plain_name) in [
+    for (what, who, prefix, per_s, plain, tls, plain_name) in [
         (
             "agent decisions, Redis over `rediss://`",
+            "clients",
             "acquire",
             "decisions_per_s",
             "redis_plain",
             "redis_tls",
             "`redis://`",
         ),
-        ("grants, HTTPS with mTLS", "grants", "grants_per_s", "http", "https", "HTTP"),
+        ("grants, HTTPS with mTLS", "agents", "grants", "grants_per_s", "http", "https", "HTTP"),
     ] {
         row(
-            format!("{what}, {c} clients"),
+            format!("{what}, {c} {who}"),
             rate_p99(r, &format!("{prefix}.c{c}.{tls}"), per_s),
             format!(
                 "{plain_name} {} (ratio {})",

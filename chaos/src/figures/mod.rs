@@ -112,7 +112,8 @@ impl Committed {
 
 /// The workspace root (where README.md and docs/ are).
 pub fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    root.canonicalize().unwrap_or(root)
 }
 
 /// The Markdown files that may hold blocks, relative to `root`: README.md
