@@ -6,7 +6,22 @@
 
 use chaos::figures::{self, Committed, Figure, Problem};
 
+/// With FIGURES_REGENERATE set (after a renderer changed), rewrites the
+/// blocks from the committed reports once, before either test reads the
+/// docs (the reports themselves are only written by runs).
+fn regenerate_if_asked() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        if std::env::var_os("FIGURES_REGENERATE").is_some() {
+            for line in figures::regenerate(&figures::root()) {
+                eprintln!("figures: {line}");
+            }
+        }
+    });
+}
+
 fn tree() -> (Committed, Vec<(String, String)>) {
+    regenerate_if_asked();
     let root = figures::root();
     let committed = Committed::read(&root).expect("the committed reports");
     let files = figures::markdown_files(&root)
@@ -22,13 +37,7 @@ fn tree() -> (Committed, Vec<(String, String)>) {
 
 #[test]
 fn every_figure_in_the_docs_comes_from_the_committed_reports() {
-    // After a renderer changed, this rewrites the blocks from the committed
-    // reports first (the reports themselves are only written by runs).
-    if std::env::var_os("FIGURES_REGENERATE").is_some() {
-        for line in figures::regenerate(&figures::root()) {
-            eprintln!("figures: {line}");
-        }
-    }
+    regenerate_if_asked();
     let problems = figures::check(&figures::root());
     let list: Vec<String> = problems.iter().map(|p| format!("  {p}")).collect();
     assert!(problems.is_empty(), "figures not from the committed reports:\n{}", list.join("\n"));
