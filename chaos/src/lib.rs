@@ -15,6 +15,7 @@
 //! * [`traffic`]: client processes' ground truth: 200s, 429s and 503s per window.
 //! * [`accounts`]: the allocator's window accounting, read over HTTP.
 //! * [`report`]: per-window tables as text, Markdown and JSON.
+//! * [`figures`]: the docs' figure blocks, generated from committed reports and checked.
 //! * [`chart`]: the same rows as an SVG chart.
 //! * [`scenarios`]: the chaos scenarios and their verdicts.
 //! * [`demo`]: the one-command demo.
@@ -25,6 +26,7 @@ pub mod bench;
 pub mod bins;
 pub mod chart;
 pub mod demo;
+pub mod figures;
 pub mod install;
 pub mod pg_conn;
 pub mod pools;

@@ -3,13 +3,13 @@
 
 use crate::accounts::WindowAccount;
 use crate::traffic::{self, Tally};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::Path;
 
 /// One window of one scenario.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct WindowRow {
     pub window_start: String,
     pub limit: i64,
@@ -41,11 +41,40 @@ pub struct WindowRow {
     pub stranded_by_region: BTreeMap<String, i64>,
 }
 
-/// One scenario's result.
-#[derive(Debug, Clone, Serialize)]
+/// What a scenario's checks concluded; `report.json` spells it in lower
+/// case (`"pass"`, `"fail"`, `"skipped"`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Verdict {
+    Pass,
+    Fail,
+    /// The scenario cannot run on this machine (no verdict; left out of
+    /// `report.json`).
+    Skipped,
+}
+
+impl Verdict {
+    /// The verdict as `report.json` and the tables spell it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Verdict::Pass => "pass",
+            Verdict::Fail => "fail",
+            Verdict::Skipped => "skipped",
+        }
+    }
+}
+
+impl std::fmt::Display for Verdict {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// One scenario's result, as `report.json` holds it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ScenarioReport {
     pub scenario: String,
-    pub verdict: &'static str,
+    pub verdict: Verdict,
     pub windows: Vec<WindowRow>,
     /// Every check that failed, and notes on what the scenario did.
     pub notes: Vec<String>,
@@ -160,7 +189,8 @@ fn cells(w: &WindowRow) -> [String; 12] {
 /// The text table printed for a scenario.
 pub fn text_table(rep: &ScenarioReport) -> String {
     let mut s = String::new();
-    let _ = writeln!(s, "== {} : {} ({:.1} s)", rep.scenario, rep.verdict.to_uppercase(), rep.seconds);
+    let _ =
+        writeln!(s, "== {} : {} ({:.1} s)", rep.scenario, rep.verdict.as_str().to_uppercase(), rep.seconds);
     let _ = writeln!(
         s,
         "{:<21} {:>6} {:>6} {:>8} {:>9} {:>8} {:>6} {:>8} {:>7} {:>7} {:>6} {:>8}",

@@ -271,10 +271,9 @@ pub async fn run(rig: &Rig, plan: &Plan, out: &mut Results, progress: &dyn Fn(&s
         agent: "eu-1".into(),
         epoch: agent.epoch().await,
     };
-    let peer = if plan.mode == "smoke" {
-        Err("a smoke run does not build the peer (RocksDB); --quick and full runs measure it".to_string())
-    } else {
-        Peer::ensure(progress)
+    let peer = match plan.peer_skipped() {
+        Some(why) => Err(why),
+        None => Peer::ensure(progress),
     };
     if let Err(e) = &peer {
         out.note(format!("limitador peer not measured: {e}"));

@@ -2,10 +2,10 @@
 //! numbers from a 2-core shared box and from a 32-core server differ by
 //! more than any change the benchmark is meant to show.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// What `report.json` says about the machine.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Machine {
     pub nproc: usize,
     pub cpu_model: String,

@@ -13,10 +13,13 @@
 //!   over HTTPS (mTLS) beside HTTP, at 16 clients.
 //! * [`hist`]: the closed-loop driver and HDR histograms; [`machine`]: what
 //!   the machine is; [`rig`]: the proxy-free stack of the first three;
-//!   [`table`]: the Markdown report.
+//!   [`table`]: the Markdown report; [`summary`]: the README's table;
+//!   [`report`]: `report.json` as one type, written and read back.
 //!
 //! Output: a Markdown table on stdout and in `<target>/bench/report.md`,
 //! and `<target>/bench/report.json` with flat dotted keys under `results`.
+//! A whole quick or full run also publishes that report to the docs
+//! ([`crate::figures`]) unless `--no-publish`.
 
 pub mod acquire;
 pub mod grants;
@@ -24,7 +27,9 @@ pub mod hist;
 pub mod machine;
 pub mod peer;
 pub mod renewal;
+pub mod report;
 pub mod rig;
+pub mod summary;
 pub mod table;
 pub mod tls;
 pub mod utilization;
@@ -51,6 +56,19 @@ pub struct BenchArgs {
     /// parts left out show as "not measured".
     #[arg(long, value_enum)]
     pub only: Vec<Part>,
+    /// Skips the limitador peer instead of building it: its first build
+    /// compiles RocksDB (about 20 minutes on 2 cores, needs libclang-dev).
+    /// Its columns and target then say "not measured", and the report's
+    /// notes say why.
+    #[arg(long)]
+    pub no_peer: bool,
+    /// Leaves docs/ alone. Without it, a whole `--quick` or full run (every
+    /// part, no --out) publishes: it copies report.json to
+    /// docs/reports/bench.json and regenerates docs/benchmarks.md and the
+    /// README's performance block from it (in a clean clone that only
+    /// changes the working tree).
+    #[arg(long)]
+    pub no_publish: bool,
 }
 
 /// The parts of one run, in the order they run.
@@ -75,6 +93,8 @@ pub struct Plan {
     pub mode: &'static str,
     /// The parts `--only` selected (empty: all).
     pub only: Vec<Part>,
+    /// `--no-peer`: the limitador peer is not built or measured.
+    pub no_peer: bool,
     /// Repetitions of every throughput measurement (medians are reported).
     pub reps: usize,
     pub acquire: Duration,
@@ -101,10 +121,24 @@ pub struct Plan {
 impl Plan {
     /// The plan of the mode `args` selects.
     pub fn of(args: &BenchArgs) -> Plan {
-        if args.smoke {
+        let mode = if args.smoke {
+            "smoke"
+        } else if args.quick {
+            "quick"
+        } else {
+            "full"
+        };
+        Plan { only: args.only.clone(), no_peer: args.no_peer, ..Plan::named(mode) }
+    }
+
+    /// The plan of a mode by its name (`smoke`, `quick`; anything else is
+    /// the full run), with every part and the peer.
+    pub fn named(mode: &str) -> Plan {
+        if mode == "smoke" {
             Plan {
                 mode: "smoke",
-                only: args.only.clone(),
+                only: Vec::new(),
+                no_peer: false,
                 reps: 1,
                 acquire: Duration::from_millis(300),
                 grants: Duration::from_millis(500),
@@ -119,10 +153,11 @@ impl Plan {
                 util_windows: 1,
                 settle: Duration::from_secs(1),
             }
-        } else if args.quick {
+        } else if mode == "quick" {
             Plan {
                 mode: "quick",
-                only: args.only.clone(),
+                only: Vec::new(),
+                no_peer: false,
                 reps: 3,
                 acquire: Duration::from_secs(1),
                 grants: Duration::from_secs(2),
@@ -140,7 +175,8 @@ impl Plan {
         } else {
             Plan {
                 mode: "full",
-                only: args.only.clone(),
+                only: Vec::new(),
+                no_peer: false,
                 reps: 5,
                 acquire: Duration::from_secs(3),
                 grants: Duration::from_secs(4),
@@ -169,7 +205,30 @@ impl Plan {
                 c.push_str(&format!(" --only {}", v.get_name()));
             }
         }
+        if self.no_peer {
+            c.push_str(" --no-peer");
+        }
         c
+    }
+
+    /// Why this run does not measure the limitador peer, if it does not.
+    pub fn peer_skipped(&self) -> Option<String> {
+        if self.mode == "smoke" {
+            Some("a smoke run does not build the peer (RocksDB); --quick and full runs measure it".into())
+        } else if self.no_peer {
+            Some(
+                "--no-peer: the peer (its first build compiles RocksDB, about 20 minutes) was not built"
+                    .into(),
+            )
+        } else {
+            None
+        }
+    }
+
+    /// Whether this run's report is the one the docs show: every part of a
+    /// quick or full run.
+    pub fn whole(&self) -> bool {
+        self.mode != "smoke" && self.only.is_empty()
     }
 }
 
@@ -199,20 +258,6 @@ impl Results {
     pub fn note(&mut self, n: String) {
         self.notes.push(n);
     }
-}
-
-/// `report.json`.
-#[derive(Serialize)]
-struct Report<'a> {
-    command: String,
-    argv: Vec<String>,
-    mode: &'a str,
-    repetitions: usize,
-    machine: machine::Machine,
-    seconds: f64,
-    results: &'a BTreeMap<String, f64>,
-    targets: Vec<table::TargetRow>,
-    notes: &'a [String],
 }
 
 fn progress(started: Instant) -> impl Fn(&str) {
@@ -257,24 +302,31 @@ pub async fn run(args: BenchArgs) -> Result<bool, String> {
     }
 
     let targets = table::targets(&out);
-    let md = table::markdown(&plan, &machine, &out, &targets);
+    let report = report::BenchReport {
+        command: plan.command(),
+        argv: std::env::args().collect(),
+        mode: plan.mode.to_string(),
+        repetitions: plan.reps,
+        machine,
+        seconds: started.elapsed().as_secs_f64(),
+        results: out.values,
+        targets,
+        notes: out.notes,
+    };
+    let md = table::markdown(&report);
     println!("{md}");
     let dir = args.out.clone().unwrap_or_else(|| crate::report::target_dir().join("bench"));
     std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     std::fs::write(dir.join("report.md"), &md)
         .map_err(|e| format!("{}: {e}", dir.join("report.md").display()))?;
-    let report = Report {
-        command: plan.command(),
-        argv: std::env::args().collect(),
-        mode: plan.mode,
-        repetitions: plan.reps,
-        machine,
-        seconds: started.elapsed().as_secs_f64(),
-        results: &out.values,
-        targets,
-        notes: &out.notes,
-    };
     crate::report::write_json(&dir.join("report.json"), &report)?;
     say(&format!("wrote {}/report.md and report.json", dir.display()));
+    if !plan.whole() || args.out.is_some() {
+        say("not published: only a whole --quick or full run into the default directory updates docs/");
+    } else if args.no_publish {
+        say("not published (--no-publish)");
+    } else {
+        crate::figures::publish_bench(&dir.join("report.json"), &report, &say);
+    }
     Ok(true)
 }

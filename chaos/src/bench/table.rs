@@ -1,13 +1,13 @@
 //! The report as Markdown tables, and the targets of issue 6 checked
 //! against the measured figures.
 
-use super::machine::Machine;
+use super::report::BenchReport;
 use super::{Plan, Results};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use std::fmt::Write as _;
 
 /// One target and whether the run met it.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct TargetRow {
     pub key: String,
     pub what: String,
@@ -47,7 +47,7 @@ pub fn targets(r: &Results) -> Vec<TargetRow> {
         .collect()
 }
 
-fn v(r: &Results, key: &str) -> String {
+fn v(r: &BenchReport, key: &str) -> String {
     match r.get(key) {
         Some(x) if x.abs() >= 100.0 => format!("{x:.0}"),
         Some(x) if x.abs() >= 10.0 => format!("{x:.1}"),
@@ -56,16 +56,25 @@ fn v(r: &Results, key: &str) -> String {
     }
 }
 
-/// The whole report.
-pub fn markdown(plan: &Plan, m: &Machine, r: &Results, targets: &[TargetRow]) -> String {
+/// The whole report (`report.md`).
+pub fn markdown(r: &BenchReport) -> String {
+    format!("# Benchmarks\n\n{}", body(r))
+}
+
+/// Every table of the report, under `##` headings: the body of
+/// `report.md` and the generated block of `docs/benchmarks.md`. Labels
+/// that depend on the mode (the many-quotas count, the steady rate) come
+/// from the plan of the report's mode.
+pub fn body(r: &BenchReport) -> String {
+    let plan = Plan::named(&r.mode);
+    let m = &r.machine;
     let mut s = String::new();
-    let _ = writeln!(s, "# Benchmarks\n");
     let _ = writeln!(
         s,
         "Command: `{}` ({} mode, medians of {} repetitions) — {} — {} × {}, {} MiB, Linux {}, load at start {}\n",
-        plan.command(),
-        plan.mode,
-        plan.reps,
+        r.command,
+        r.mode,
+        r.repetitions,
         m.date_utc,
         m.nproc,
         m.cpu_model,
@@ -285,7 +294,7 @@ pub fn markdown(plan: &Plan, m: &Machine, r: &Results, targets: &[TargetRow]) ->
     let _ = writeln!(s, "\n## Targets\n");
     let _ = writeln!(s, "| target | value | required | met |");
     let _ = writeln!(s, "|---|---|---|---|");
-    for t in targets {
+    for t in &r.targets {
         let _ = writeln!(
             s,
             "| {} (`{}`) | {} | {} | {} |",

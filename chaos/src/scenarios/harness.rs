@@ -4,7 +4,7 @@
 
 use crate::accounts;
 use crate::bins::Bins;
-use crate::report::{self, ScenarioReport};
+use crate::report::{self, ScenarioReport, Verdict};
 use crate::stack::{Stack, StackSpec};
 use crate::traffic::{RegionLoad, Tally, Traffic};
 use std::collections::BTreeMap;
@@ -294,7 +294,7 @@ impl Run {
                 Err(e) => self.notes.push(format!("logs could not be kept: {e}")),
             }
         }
-        let verdict = if self.failed.is_empty() { "pass" } else { "fail" };
+        let verdict = if self.failed.is_empty() { Verdict::Pass } else { Verdict::Fail };
         let mut notes: Vec<String> = self.failed.iter().map(|f| format!("FAILED: {f}")).collect();
         notes.append(&mut self.notes);
         let seconds = self.started.elapsed().as_secs_f64();

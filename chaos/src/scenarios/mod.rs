@@ -22,7 +22,7 @@ mod postgres;
 mod redis;
 
 use crate::bins;
-use crate::report::{self, ScenarioReport};
+use crate::report::{self, ScenarioReport, Verdict};
 use clap::Args;
 pub use harness::{Profile, Run};
 
@@ -42,6 +42,14 @@ pub struct ChaosArgs {
     /// Directory for `report.json` and `report.md` (default `target/chaos`).
     #[arg(long)]
     pub out: Option<std::path::PathBuf>,
+    /// Leaves docs/ alone. Without it, a whole short run (every scenario,
+    /// no --out) publishes: it copies report.json to docs/reports/chaos.json
+    /// and regenerates the chaos table of the README and of any docs page
+    /// with the `figures:chaos` markers (in a clean clone, such as CI's,
+    /// that only changes the working tree; a docs tree that cannot be
+    /// written is reported, never a failure).
+    #[arg(long)]
+    pub no_publish: bool,
 }
 
 /// Every scenario, in the order they run, with what it shows.
@@ -124,7 +132,7 @@ pub async fn run(args: ChaosArgs) -> Result<bool, String> {
             Ok(r) => r,
             Err(e) => ScenarioReport {
                 scenario: name.to_string(),
-                verdict: "fail",
+                verdict: Verdict::Fail,
                 windows: Vec::new(),
                 notes: vec![format!("the scenario could not run: {e}")],
                 seconds: 0.0,
@@ -140,13 +148,21 @@ pub async fn run(args: ChaosArgs) -> Result<bool, String> {
         args.scenario.as_deref().map(|s| format!(" --scenario {s}")).unwrap_or_default()
     );
     // A skipped scenario has no verdict; it is named in report.md only.
-    let judged: Vec<&ScenarioReport> = reports.iter().filter(|r| r.verdict != "skipped").collect();
+    let judged: Vec<&ScenarioReport> = reports.iter().filter(|r| r.verdict != Verdict::Skipped).collect();
     report::write_json(&out.join("report.json"), &judged)?;
     std::fs::write(out.join("report.md"), report::markdown(&reports, &command))
         .map_err(|e| format!("{}: {e}", out.display()))?;
+    if args.scenario.is_some() || args.out.is_some() || profile.name != "short" {
+        eprintln!("chaos: not published: only a whole short run into the default directory updates docs/");
+    } else if args.no_publish {
+        eprintln!("chaos: not published (--no-publish)");
+    } else {
+        let judged: Vec<ScenarioReport> = judged.into_iter().cloned().collect();
+        crate::figures::publish_chaos(&out.join("report.json"), &judged);
+    }
     let failed: Vec<&str> =
-        reports.iter().filter(|r| r.verdict != "pass").map(|r| r.scenario.as_str()).collect();
-    let skipped = reports.iter().filter(|r| r.verdict == "skipped").count();
+        reports.iter().filter(|r| r.verdict != Verdict::Pass).map(|r| r.scenario.as_str()).collect();
+    let skipped = reports.iter().filter(|r| r.verdict == Verdict::Skipped).count();
     println!(
         "chaos: {} scenario(s), {} passed, {} failed{}; report: {}",
         reports.len(),

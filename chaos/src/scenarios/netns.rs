@@ -6,7 +6,7 @@
 
 use super::harness::{Profile, Run};
 use crate::bins::Bins;
-use crate::report::ScenarioReport;
+use crate::report::{ScenarioReport, Verdict};
 use crate::stack::StackSpec;
 use crate::traffic::region_total;
 use quota_tests::agent::{AgentOpts, AgentProc};
@@ -97,7 +97,7 @@ pub async fn partition(p: &Profile, bins: Bins) -> Result<ScenarioReport, String
     if let Some(why) = unsupported() {
         return Ok(ScenarioReport {
             scenario: "netns-partition".into(),
-            verdict: "skipped",
+            verdict: Verdict::Skipped,
             windows: Vec::new(),
             notes: vec![format!("skipped: {why}")],
             seconds: 0.0,
