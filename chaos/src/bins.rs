@@ -29,7 +29,7 @@ pub fn ensure() -> Result<Bins, String> {
     let skip = std::env::var_os("QUOTA_LAB_NO_BUILD").is_some();
     if let (Some(cargo), false) = (std::env::var_os("CARGO"), skip) {
         let release = dir.file_name().is_some_and(|n| n == "release");
-        let mut cmd = Command::new(cargo);
+        let mut cmd = cargo_command(&cargo);
         cmd.args(["build", "--quiet", "-p", "chaos", "-p", "allocator", "-p", "regional-agent", "--bins"]);
         if release {
             cmd.arg("--release");
@@ -44,6 +44,22 @@ pub fn ensure() -> Result<Bins, String> {
         }
     }
     locate()
+}
+
+/// A `cargo` command without the variables cargo sets for the package it
+/// runs (`CARGO_MANIFEST_DIR`, `CARGO_PKG_*`, ...: quota-lab runs under
+/// `cargo run`, `cargo test` or `cargo lab`). Some build scripts track them
+/// (ring's tracks `CARGO_MANIFEST_DIR`), so a nested build that inherits
+/// them rebuilds ring, rustls and everything above, and the next plain
+/// `cargo build` rebuilds them back.
+pub fn cargo_command(cargo: &std::ffi::OsStr) -> Command {
+    let mut cmd = Command::new(cargo);
+    for (k, _) in std::env::vars_os() {
+        if k.to_str().is_some_and(lab_launcher::choose::set_by_cargo_for_the_package) {
+            cmd.env_remove(k);
+        }
+    }
+    cmd
 }
 
 /// The service binaries next to this executable, without building them

@@ -1,5 +1,6 @@
-//! The profile rule of `cargo lab`, a pure function of the arguments, the
-//! override and which `quota-lab` builds exist (see the crate doc).
+//! The rules of `cargo lab`: the profile quota-lab runs in (a pure
+//! function of the arguments, the override and which `quota-lab` builds
+//! exist), and the variables a nested cargo must not inherit.
 
 use std::time::SystemTime;
 
@@ -49,6 +50,25 @@ pub fn profile(args: &[String], wanted: Option<&str>, seen: Seen) -> Result<Prof
     })
 }
 
+/// Whether cargo sets the variable `name` for the package it builds or
+/// runs (the Cargo book's "Environment variables Cargo sets for crates").
+/// The launcher and quota-lab (`chaos::bins::cargo_command`) drop these
+/// before a nested `cargo build`.
+pub fn set_by_cargo_for_the_package(name: &str) -> bool {
+    matches!(
+        name,
+        "CARGO_MANIFEST_DIR"
+            | "CARGO_MANIFEST_PATH"
+            | "CARGO_CRATE_NAME"
+            | "CARGO_BIN_NAME"
+            | "CARGO_PRIMARY_PACKAGE"
+            | "CARGO_TARGET_TMPDIR"
+            | "CARGO_RUSTC_CURRENT_DIR"
+            | "OUT_DIR"
+    ) || name.starts_with("CARGO_PKG_")
+        || name.starts_with("CARGO_BIN_EXE_")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -85,6 +105,16 @@ mod tests {
         assert_eq!(profile(&args("bench --smoke"), None, dev_only), Ok(Profile::Dev));
         // `--smoke` elsewhere than after `bench` does not make a chaos run a bench.
         assert_eq!(profile(&args("chaos --profile short"), None, dev_only), Ok(Profile::Dev));
+    }
+
+    #[test]
+    fn the_package_s_variables_go_and_cargo_s_own_settings_stay() {
+        for gone in ["CARGO_MANIFEST_DIR", "CARGO_PKG_NAME", "CARGO_BIN_EXE_quota-lab", "OUT_DIR"] {
+            assert!(set_by_cargo_for_the_package(gone), "{gone}");
+        }
+        for kept in ["CARGO", "CARGO_HOME", "CARGO_TARGET_DIR", "CARGO_LOG", "PATH"] {
+            assert!(!set_by_cargo_for_the_package(kept), "{kept}");
+        }
     }
 
     #[test]

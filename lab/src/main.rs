@@ -16,9 +16,7 @@
 //! itself asks for; fresh in about a second when nothing changed) and runs
 //! `target/<profile>/quota-lab` with the same arguments and exit status.
 
-mod choose;
-
-use choose::{Profile, Seen};
+use lab_launcher::choose::{self, Profile, Seen};
 use std::path::PathBuf;
 use std::process::{Command, ExitCode};
 use std::time::SystemTime;
@@ -40,6 +38,7 @@ fn main() -> ExitCode {
     };
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let mut build = Command::new(&cargo);
+    package_env_removed(&mut build);
     build.args(["build", "-p", "chaos", "-p", "allocator", "-p", "regional-agent", "--bins"]);
     if profile == Profile::Release {
         build.arg("--release");
@@ -57,7 +56,9 @@ fn main() -> ExitCode {
         }
     }
     let exe = target.join(profile.dir()).join("quota-lab");
-    match Command::new(&exe).args(&args).env("CARGO", &cargo).status() {
+    let mut lab = Command::new(&exe);
+    package_env_removed(&mut lab);
+    match lab.args(&args).env("CARGO", &cargo).status() {
         Ok(s) => match s.code() {
             Some(0) => ExitCode::SUCCESS,
             Some(c) => ExitCode::from(u8::try_from(c).unwrap_or(1)),
@@ -67,6 +68,20 @@ fn main() -> ExitCode {
         Err(e) => {
             eprintln!("cargo lab: cannot run {}: {e}", exe.display());
             ExitCode::from(2)
+        }
+    }
+}
+
+/// Drops what `cargo run` set for this launcher's package
+/// (`CARGO_MANIFEST_DIR`, `CARGO_PKG_*`, ...) from `cmd`'s environment:
+/// ring's build script tracks `CARGO_MANIFEST_DIR`, so a build that
+/// inherits it rebuilds ring, rustls and every crate above, and the next
+/// plain `cargo build` rebuilds them back. quota-lab builds too, so it gets
+/// the same clean environment (chaos/src/bins.rs keeps the same rule).
+fn package_env_removed(cmd: &mut Command) {
+    for (k, _) in std::env::vars_os() {
+        if k.to_str().is_some_and(choose::set_by_cargo_for_the_package) {
+            cmd.env_remove(k);
         }
     }
 }

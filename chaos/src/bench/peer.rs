@@ -28,7 +28,7 @@ impl Peer {
         if let (Some(cargo), false) = (std::env::var_os("CARGO"), skip) {
             let release = dir.file_name().is_some_and(|n| n == "release");
             progress("peer: building limitador-peer (the first build compiles RocksDB, several minutes)");
-            let mut cmd = std::process::Command::new(cargo);
+            let mut cmd = crate::bins::cargo_command(&cargo);
             cmd.args([
                 "build",
                 "--quiet",
