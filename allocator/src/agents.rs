@@ -45,7 +45,7 @@ pub(crate) async fn register(
         record_refusal(&state, &e, event).await?;
         return Err(e);
     }
-    let mut tx = state.db.begin().await?;
+    let mut tx = crate::tx::begin(&state.db).await?;
     // After any deletion of this region's gone agents has committed, so the
     // epoch floor read below is current (see retention).
     sqlx::query_file!("src/sql/agent_region_lock.sql", req.region).execute(&mut *tx).await?;

@@ -260,7 +260,7 @@ pub(crate) async fn explain(
     let now = state.db_clock.now_on(&state.db).await?;
     // One snapshot for every read below: the rebuilt parts are checked
     // against the stored totals, which must not move in between.
-    let mut tx = state.db.begin().await?;
+    let mut tx = crate::tx::begin(&state.db).await?;
     sqlx::query_file!("src/sql/read_snapshot.sql").execute(&mut *tx).await?;
     let pool = sqlx::query_file_as!(
         PoolRow,

@@ -132,7 +132,7 @@ pub(crate) async fn put_status(
 }
 
 async fn store(state: &AppState, region: &str, agent: &str, req: &AgentStatusReport) -> Result<()> {
-    let mut tx = state.db.begin().await?;
+    let mut tx = crate::tx::begin(&state.db).await?;
     agents::fence(&mut tx, region, agent, req.epoch).await?;
     let now = state.db_clock.now(&mut tx).await?;
     sqlx::query_file!(

@@ -159,7 +159,7 @@ fn same_body(row: &LeaseRow, req: &GrantRequest) -> bool {
     epoch = req.epoch, seq = req.seq, lease_id = tracing::field::Empty,
 ))]
 async fn try_grant(state: &AppState, req: &GrantRequest) -> Result<(Outcome, DateTime<Utc>)> {
-    let mut tx = state.db.begin().await?;
+    let mut tx = crate::tx::begin(&state.db).await?;
     agents::fence(&mut tx, &req.region, &req.agent, req.epoch).await?;
     // Read after the fence (which may wait on a registration's row lock), so
     // the window is decided as late as possible on the one clock (I8).

@@ -189,7 +189,7 @@ async fn try_release(
     lease_id: Uuid,
     req: &ReleaseRequest,
 ) -> Result<LeaseView, (Error, Option<LeaseRow>)> {
-    let mut tx = state.db.begin().await.map_err(|e| (e.into(), None))?;
+    let mut tx = crate::tx::begin(&state.db).await.map_err(|e| (e.into(), None))?;
     let row = sqlx::query_file_as!(LeaseRow, "src/sql/lease_lock.sql", lease_id)
         .fetch_optional(&mut *tx)
         .await

@@ -69,6 +69,7 @@ pub mod share;
 pub mod telemetry;
 pub mod time;
 pub mod tls;
+pub mod tx;
 pub mod ui;
 pub mod window_metrics;
 pub mod windows;

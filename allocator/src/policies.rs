@@ -335,7 +335,7 @@ pub(crate) async fn put_policy(
             )
         }
     };
-    let mut tx = state.db.begin().await?;
+    let mut tx = crate::tx::begin(&state.db).await?;
     // Which pools are open (I9) is decided on the one clock (I8).
     let now = state.db_clock.now(&mut tx).await?;
     // The row lock serialises concurrent writers so versions stay strictly increasing.

@@ -158,7 +158,7 @@ pub(crate) async fn report(
 ))]
 async fn apply(state: &AppState, req: &ReportRequest) -> Result<i64> {
     let body = serde_json::to_value(req).map_err(|e| Error::Internal(Box::new(e)))?;
-    let mut tx = state.db.begin().await?;
+    let mut tx = crate::tx::begin(&state.db).await?;
     agents::fence(&mut tx, &req.region, &req.agent, req.epoch).await?;
     let now = state.db_clock.now(&mut tx).await?;
     // Before the idempotency lookup, so the answer for an old report does

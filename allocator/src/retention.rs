@@ -134,7 +134,7 @@ async fn one_batch(db: &PgPool, step: Step<'_>, cutoff: DateTime<Utc>, batch: i6
             .await?
             .rows_affected(),
         Step::Agents { region } => {
-            let mut tx = db.begin().await?;
+            let mut tx = crate::tx::begin(db).await?;
             sqlx::query_file!("src/sql/agent_region_lock_exclusive.sql", region).execute(&mut *tx).await?;
             let n = sqlx::query_file_scalar!("src/sql/retention_agent.sql", cutoff, batch, region)
                 .fetch_one(&mut *tx)

@@ -197,7 +197,7 @@ async fn stop_with_postgres_paused(deadline_secs: &str, second: bool) -> Duratio
     // the test holds, then PostgreSQL is paused, so neither the lock nor the
     // statement timeout (both server-side) can ever end it.
     let pg = sqlx::PgPool::connect(&db.url).await.unwrap();
-    let mut holder = pg.begin().await.unwrap();
+    let mut holder = allocator::tx::begin(&pg).await.unwrap();
     sqlx::query("select 1 from agent where region = 'eu' and agent = 'eu-1' for update")
         .execute(&mut *holder)
         .await
