@@ -197,6 +197,9 @@ pub struct Quota {
     /// legacy gate passed (see [`crate::legacy`]): not swept again while
     /// the gate stays passed.
     pub legacy_done: AtomicBool,
+    /// What the allocator last said the quota's pools still hold unleased
+    /// (the `RateLimit` header's `r` adds it to the region's balance).
+    pub pool_seen: Mutex<PoolSeen>,
 }
 
 impl Quota {
@@ -263,8 +266,9 @@ impl Quota {
     }
 
     /// Keeps the policy a grant answer shows, locally and in Redis for the
-    /// other replicas.
+    /// other replicas, and (locally) what it said the pool still holds.
     pub async fn learn_policy(&self, store: &Store, g: &GrantResponse) {
+        self.pool_seen.lock().unwrap().saw(g.window_start.timestamp(), g.pool.available);
         let p = PolicyInfo::from_grant(g);
         let changed = {
             let mut cur = self.policy.lock().unwrap();
@@ -282,6 +286,42 @@ impl Quota {
             }
             let _: Result<i64, _> = store.cmd(&cmd).await;
         }
+    }
+}
+
+/// Unleased tokens of the quota's pool per window, as the allocator's last
+/// grant answer for that window said: of the current window and the next
+/// at most (older windows are of no use to a decision).
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct PoolSeen {
+    /// `(window start, unix s; tokens available)`, newest window last.
+    windows: Vec<(i64, i64)>,
+}
+
+impl PoolSeen {
+    /// Windows remembered.
+    const KEEP: usize = 2;
+
+    /// A grant answer for the window starting at `window_start` said the
+    /// pool holds `available` more tokens.
+    pub fn saw(&mut self, window_start: i64, available: i64) {
+        let available = available.max(0);
+        match self.windows.iter_mut().find(|(w, _)| *w == window_start) {
+            Some(seen) => seen.1 = available,
+            None => {
+                self.windows.push((window_start, available));
+                self.windows.sort_unstable();
+                if self.windows.len() > Self::KEEP {
+                    self.windows.remove(0);
+                }
+            }
+        }
+    }
+
+    /// Tokens the pool of the window starting at `window_start` still held
+    /// unleased when last heard of; 0 when never heard of.
+    pub fn room(&self, window_start: i64) -> i64 {
+        self.windows.iter().find(|(w, _)| *w == window_start).map_or(0, |(_, a)| *a)
     }
 }
 
@@ -331,6 +371,7 @@ impl Quotas {
             renewed: Notify::new(),
             spends: Arc::new(SpendQueue::default()),
             legacy_done: AtomicBool::new(false),
+            pool_seen: Mutex::new(PoolSeen::default()),
         });
         m.insert((tenant.to_string(), resource.to_string()), q.clone());
         Some((q, true))
@@ -429,6 +470,23 @@ pub fn clear_waiting(q: &Quota) {
 
 #[cfg(test)]
 mod tests {
+    use super::PoolSeen;
+
+    #[test]
+    fn pool_seen_keeps_the_last_word_of_the_two_newest_windows() {
+        let mut p = PoolSeen::default();
+        assert_eq!(p.room(60), 0, "never heard of: nothing assumed");
+        p.saw(60, 900);
+        p.saw(60, 850);
+        assert_eq!(p.room(60), 850, "the last answer of a window wins");
+        p.saw(120, 1000);
+        assert_eq!((p.room(60), p.room(120)), (850, 1000));
+        p.saw(180, 5);
+        assert_eq!((p.room(60), p.room(120), p.room(180)), (0, 1000, 5), "the oldest window goes");
+        p.saw(180, -3);
+        assert_eq!(p.room(180), 0, "never negative");
+    }
+
     use super::*;
     use std::time::Duration;
 

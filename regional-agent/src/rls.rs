@@ -256,7 +256,7 @@ impl Rls {
                 match o.result {
                     Some(Ok(d)) => {
                         if let Some(part) = d.parts.get(p) {
-                            s.limit_remaining = clamp_u32(part.admit.remaining);
+                            s.limit_remaining = clamp_u32(part.quota_left());
                         }
                     }
                     Some(Err((e, refused))) if refused == p => {

@@ -140,6 +140,10 @@ impl Shadow {
 pub struct Paid {
     pub admit: Admit,
     pub shadow: Option<Shadow>,
+    /// Unleased tokens of the quota's pool in the admit's window as the
+    /// allocator last said (0 when unknown): what other leases may still
+    /// bring the region beyond its own balance.
+    pub pool_room: i64,
 }
 
 impl Paid {
@@ -152,13 +156,23 @@ impl Paid {
         }
     }
 
-    /// What the `RateLimit` headers show of this part: the quota's balance
-    /// (none after a key's shadow refusal, which, as a refusal, says
-    /// nothing of it) and the key's bucket.
+    /// What the quota can still admit as the agent knows it: the region's
+    /// balance after this admit plus what the pool held unleased at the
+    /// last grant. Other regions may have taken some of that since, but it
+    /// is never 0 while the pool was last known to have room (a client
+    /// told `r=0` slows down for nothing).
+    pub fn quota_left(&self) -> i64 {
+        self.admit.remaining.max(0).saturating_add(self.pool_room)
+    }
+
+    /// What the `RateLimit` headers show of this part: what the quota can
+    /// still admit ([`Paid::quota_left`]; none after a key's shadow
+    /// refusal, which, as a refusal, says nothing of it) and the key's
+    /// bucket.
     pub fn shown(&self) -> (Option<i64>, Option<i64>) {
         let remaining = match self.shadow {
             Some(Shadow::PerKey) => None,
-            _ => Some(self.admit.remaining),
+            _ => Some(self.quota_left()),
         };
         (remaining, self.admit.key_remaining)
     }
@@ -349,7 +363,10 @@ pub(crate) async fn decide(
         let part = match &shadow[i] {
             Some((s, e)) => shadow_admit(app, q, policies[i], *s, e).await,
             None => match admits.next() {
-                Some(admit) => Paid { admit, shadow: None },
+                Some(admit) => {
+                    let pool_room = q.pool_seen.lock().unwrap().room(admit.window_start);
+                    Paid { admit, shadow: None, pool_room }
+                }
                 None => return Err((short(), None)),
             },
         };
@@ -384,6 +401,7 @@ async fn shadow_admit(app: &AppState, q: &Quota, p: PolicyInfo, s: Shadow, e: &E
     Paid {
         admit: Admit { source: "shadow".into(), window_start: ws, remaining: 0, key_remaining },
         shadow: Some(s),
+        pool_room: 0,
     }
 }
 
@@ -605,6 +623,7 @@ fn local_fallback(app: &AppState, req: &Acquire, p: PolicyInfo) -> std::result::
             parts: vec![Paid {
                 admit: Admit { source: "fallback".into(), window_start: ws, remaining, key_remaining: None },
                 shadow: None,
+                pool_room: 0,
             }],
         }),
         None => Err(Error::StoreUnavailable),

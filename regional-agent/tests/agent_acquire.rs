@@ -7,6 +7,28 @@ use common::{acquire, Tally, World};
 use serde_json::json;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ratelimit_r_is_never_0_on_an_admit_while_the_pool_has_room() {
+    // Leases of 5 out of 1000: the region's balance runs to 0 every fifth
+    // admit, while the pool still holds most of its tokens.
+    let w = World::start().await;
+    w.policy("atlas", "read", json!({"limit": 1000, "window_secs": 3600, "chunk_min": 1, "chunk_max": 5}))
+        .await;
+    let a = w.agent("eu", "eu-1", None, &[]).await;
+    let mut balance_hit_0 = 0;
+    for n in 1..=40 {
+        let r = acquire(&a.http, "atlas", "read").await.expect(200);
+        if r.body["remaining"] == json!(0) {
+            balance_hit_0 += 1;
+        }
+        let rl = r.header("ratelimit").unwrap_or_default().to_string();
+        let shown: i64 = rl.split(";r=").nth(1).and_then(|v| v.split(';').next()?.parse().ok()).expect(&rl);
+        assert!(shown > 0, "admit {n}: {rl} with {} of 1000 spent", n);
+        assert!(shown <= 1000 - n, "admit {n}: {rl} shows more than the pool can hold");
+    }
+    assert!(balance_hit_0 > 0, "the region's balance never ran out: the test did not test");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn acquire_admits_from_a_lease_and_bad_input_is_refused_without_charge() {
     let w = World::start().await;
     w.policy("atlas", "read", json!({"limit": 100, "window_secs": 3600})).await;
@@ -18,9 +40,15 @@ async fn acquire_admits_from_a_lease_and_bad_input_is_refused_without_charge() {
     assert!(r.body["window_start"].is_string(), "{}", r.body);
     let first_remaining = r.body["remaining"].as_i64().expect("remaining");
     assert_eq!(r.header("ratelimit-policy"), Some("\"atlas/read\";q=100;w=3600"));
-    assert!(r
-        .header("ratelimit")
-        .is_some_and(|v| v.starts_with(&format!("\"atlas/read\";r={first_remaining};t="))));
+    // `remaining` is the region's balance; `r` what the quota can still
+    // admit as the agent knows it: that balance plus the pool's unleased
+    // rest, 99 of 100 after one admit (one agent, one window).
+    assert!(first_remaining < 99, "{}", r.body);
+    assert!(
+        r.header("ratelimit").is_some_and(|v| v.starts_with("\"atlas/read\";r=99;t=")),
+        "{:?}",
+        r.header("ratelimit")
+    );
 
     // A repeated request id returns the first decision and charges nothing.
     let body = json!({"tenant": "atlas", "resource": "read", "request_id": "req-1"});
