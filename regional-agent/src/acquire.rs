@@ -301,6 +301,18 @@ mod parse_tests {
     }
 
     #[test]
+    fn a_null_cost_is_1_in_both_forms() {
+        for body in [
+            r#"{"tenant": "a", "resource": "r", "cost": null}"#,
+            r#"{"tenant": "a", "resources": [{"resource": "r", "cost": null}]}"#,
+            r#"{"tenant": "a", "resources": [{"resource": "r"}]}"#,
+        ] {
+            let a = parse(Ok(Bytes::from(body.to_string()))).unwrap_or_else(|e| panic!("{body}: {e:?}"));
+            assert_eq!(a.wants[0].cost, 1, "{body}");
+        }
+    }
+
+    #[test]
     fn a_bad_value_names_its_field() {
         let cases = [
             (r#"{"tenant": "a", "resource": "r", "key": 7}"#, "key"),

@@ -12,6 +12,28 @@ use axum::Json;
 use rand::Rng;
 use serde_json::json;
 
+/// Why a policy can never admit a request as sent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PolicyRefusal {
+    /// The cost is above the quota's limit.
+    CostAboveLimit,
+    /// The quota has a per-key limit and the request names no principal.
+    PrincipalMissing,
+    /// The cost is above the per-key burst.
+    CostAboveBurst,
+}
+
+impl PolicyRefusal {
+    /// The label of metrics and of the RLS answer's `x-quota-refused` header.
+    pub fn label(self) -> &'static str {
+        match self {
+            PolicyRefusal::CostAboveLimit => "cost_above_limit",
+            PolicyRefusal::PrincipalMissing => "principal_missing",
+            PolicyRefusal::CostAboveBurst => "cost_above_burst",
+        }
+    }
+}
+
 /// `Result` with the agent's error.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
@@ -24,6 +46,12 @@ pub enum Error {
     /// A field has an invalid value.
     #[error("{field}: {message}")]
     InvalidField { field: String, message: String },
+    /// A well-formed request its quota's policy can never admit as sent
+    /// (see [`PolicyRefusal`]). Over HTTP a 422 `invalid_field` like any
+    /// bad value; over RLS a refusal (`OVER_LIMIT`), since Envoy lets a
+    /// request through on any error when `failure_mode_deny` is off.
+    #[error("{field}: {message}")]
+    PolicyRefuses { field: String, reason: PolicyRefusal, message: String },
     /// Body over 64 KiB.
     #[error("request body is larger than 64 KiB")]
     PayloadTooLarge,
@@ -71,7 +99,7 @@ impl Error {
     pub fn status_code(&self) -> StatusCode {
         match self {
             Error::MalformedJson(_) => StatusCode::BAD_REQUEST,
-            Error::InvalidField { .. } => StatusCode::UNPROCESSABLE_ENTITY,
+            Error::InvalidField { .. } | Error::PolicyRefuses { .. } => StatusCode::UNPROCESSABLE_ENTITY,
             Error::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Error::UnknownQuota(_) | Error::NoRoute(_) => StatusCode::NOT_FOUND,
             Error::RequestIdMismatch(_) => StatusCode::CONFLICT,
@@ -87,7 +115,7 @@ impl Error {
     pub fn code(&self) -> &'static str {
         match self {
             Error::MalformedJson(_) => "malformed_json",
-            Error::InvalidField { .. } => "invalid_field",
+            Error::InvalidField { .. } | Error::PolicyRefuses { .. } => "invalid_field",
             Error::PayloadTooLarge => "payload_too_large",
             Error::UnknownQuota(_) => "unknown_quota",
             Error::RequestIdMismatch(_) => "request_id_mismatch",
@@ -132,7 +160,7 @@ impl IntoResponse for Error {
             Error::KeyLimited { resource, .. } => (Some("per_key"), Some(resource)),
             _ => (None, None),
         };
-        if let Error::InvalidField { field, .. } = &self {
+        if let Error::InvalidField { field, .. } | Error::PolicyRefuses { field, .. } = &self {
             body["field"] = json!(field);
         }
         if let Some(limit) = limit {

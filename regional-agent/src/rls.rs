@@ -14,13 +14,24 @@
 //! created). All descriptors of a request are decided in one run of the
 //! spend script (the same decision as `POST /v1/acquire` with
 //! `resources`): all admitted or none. Descriptors naming the same quota
-//! add their costs. The cases HTTP answers 503 are gRPC `UNAVAILABLE` (so
-//! Envoy's `failure_mode_deny` decides), invalid input `INVALID_ARGUMENT`;
-//! the reason is in the status message.
+//! add their costs.
+//!
+//! Envoy lets a request through on any gRPC error unless
+//! `failure_mode_deny` is set, so what the agent can decide to refuse is a
+//! refusal, never an error: a request its quota's policy can never admit
+//! as sent (no principal for a per-key limit, a cost above the per-key
+//! burst or the limit, see [`PolicyRefusal`]) answers `OVER_LIMIT` with
+//! the reason in an `x-quota-refused` header and in
+//! `agent_rls_policy_refusals_total`, and charges nothing. Errors are kept
+//! for what cannot be decided: the cases HTTP answers 503 are
+//! `UNAVAILABLE`, a malformed request (a bad domain or entry value, an
+//! entry key the agent reads given twice, undecodable bytes)
+//! `INVALID_ARGUMENT`, whose message names the problem and echoes at most
+//! [`ECHO_MAX`] bytes of any value.
 
 use crate::app::AppState;
 use crate::config::RlsMapping as Mapping;
-use crate::error::Error;
+use crate::error::{Error, PolicyRefusal};
 use crate::quotas::PolicyInfo;
 use crate::spend::{self, Acquire, Decided, ResourceCost};
 use envoy_types::pb::envoy::config::core::v3::HeaderValue;
@@ -47,6 +58,38 @@ const HEALTH_EVERY: Duration = Duration::from_secs(1);
 /// The service name the health service reports besides the server's ("").
 pub const SERVICE_NAME: &str = "envoy.service.ratelimit.v3.RateLimitService";
 
+/// Most bytes of a request's value an error message repeats.
+pub const ECHO_MAX: usize = 128;
+/// Most bytes of an error message (Envoy and gRPC clients carry it in a
+/// header: a 1 MB echo made standard clients fail on the header instead).
+pub const MESSAGE_MAX: usize = 1024;
+/// The header of a policy refusal's reason ([`PolicyRefusal::label`]).
+pub const REFUSED_HEADER: &str = "x-quota-refused";
+
+/// `v` quoted, cut to [`ECHO_MAX`] bytes (on a character boundary).
+pub fn echo(v: &str) -> String {
+    if v.len() <= ECHO_MAX {
+        return format!("{v:?}");
+    }
+    let mut end = ECHO_MAX;
+    while !v.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{:?}... ({} bytes)", &v[..end], v.len())
+}
+
+/// `m` cut to [`MESSAGE_MAX`] bytes (on a character boundary).
+fn bounded(mut m: String) -> String {
+    if m.len() > MESSAGE_MAX {
+        let mut end = MESSAGE_MAX;
+        while !m.is_char_boundary(end) {
+            end -= 1;
+        }
+        m.truncate(end);
+    }
+    m
+}
+
 /// A request as the agent reads it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Read {
@@ -58,17 +101,21 @@ pub struct Read {
     pub of: Vec<Option<usize>>,
     /// The principal the descriptors name, if any.
     pub key: Option<String>,
+    /// The first descriptor whose quota's added cost is above
+    /// [`spend::MAX_COST`]: no quota admits it, refused without a decision.
+    pub too_costly: Option<usize>,
 }
 
 /// Reads a request into one decision's quotas (pure; the error is the
 /// `INVALID_ARGUMENT` message).
 pub fn read(req: &RateLimitRequest, m: &Mapping) -> Result<Read, String> {
-    quota_shared::ids::validate_id(&req.domain).map_err(|e| format!("domain {:?} {e}", req.domain))?;
+    quota_shared::ids::validate_id(&req.domain).map_err(|e| format!("domain {} {e}", echo(&req.domain)))?;
     if req.descriptors.len() > MAX_DESCRIPTORS {
         return Err(format!("at most {MAX_DESCRIPTORS} descriptors, got {}", req.descriptors.len()));
     }
     let request_cost = i64::from(req.hits_addend.max(1));
-    let mut read = Read { tenant: req.domain.clone(), wants: Vec::new(), of: Vec::new(), key: None };
+    let mut read =
+        Read { tenant: req.domain.clone(), wants: Vec::new(), of: Vec::new(), key: None, too_costly: None };
     for (i, d) in req.descriptors.iter().enumerate() {
         let (resource, key) = entries(d, m).map_err(|e| format!("descriptor {i}: {e}"))?;
         if d.is_negative_hits {
@@ -85,7 +132,9 @@ pub fn read(req: &RateLimitRequest, m: &Mapping) -> Result<Read, String> {
             match &read.key {
                 Some(other) if *other != k => {
                     return Err(format!(
-                        "descriptor {i}: names principal {k:?}, another descriptor {other:?}; one request has one principal"
+                        "descriptor {i}: names principal {}, another descriptor {}; one request has one principal",
+                        echo(&k),
+                        echo(other)
                     ))
                 }
                 _ => read.key = Some(k),
@@ -114,8 +163,8 @@ pub fn read(req: &RateLimitRequest, m: &Mapping) -> Result<Read, String> {
             read.wants.len()
         ));
     }
-    if let Some((r, c)) = read.wants.iter().find(|(_, c)| !(1..=spend::MAX_COST).contains(c)) {
-        return Err(format!("cost {c} on {r:?} is above {}", spend::MAX_COST));
+    if let Some(w) = read.wants.iter().position(|(_, c)| *c > spend::MAX_COST) {
+        read.too_costly = read.of.iter().position(|o| *o == Some(w));
     }
     Ok(read)
 }
@@ -124,9 +173,16 @@ pub fn read(req: &RateLimitRequest, m: &Mapping) -> Result<Read, String> {
 fn entries(d: &RateLimitDescriptor, m: &Mapping) -> Result<(Option<String>, Option<String>), String> {
     let (mut resource, mut key) = (None, None);
     for e in &d.entries {
+        // Entries the agent reads must be unambiguous; others (Envoy's
+        // `path`, `generic_key` ...) are not read and may repeat.
+        let seen =
+            if e.key == m.resource_key { resource.is_some() } else { e.key == m.key_entry && key.is_some() };
+        if seen {
+            return Err(format!("entry {} is given twice; the descriptor must name it once", echo(&e.key)));
+        }
         if e.key == m.resource_key {
             quota_shared::ids::validate_id(&e.value)
-                .map_err(|err| format!("{} {:?} {err}", e.key, e.value))?;
+                .map_err(|err| format!("{} {} {err}", e.key, echo(&e.value)))?;
             resource = Some(e.value.clone());
         } else if e.key == m.key_entry {
             if !spend::visible_ascii(&e.value, spend::MAX_KEY_LEN) {
@@ -172,8 +228,8 @@ fn clamp_u32(v: i64) -> u32 {
 /// The gRPC status of a refusal that is not an over-limit.
 fn status_of(e: &Error) -> Status {
     match e.status_code().as_u16() {
-        503 => Status::unavailable(e.to_string()),
-        _ => Status::invalid_argument(e.to_string()),
+        503 => Status::unavailable(bounded(e.to_string())),
+        _ => Status::invalid_argument(bounded(e.to_string())),
     }
 }
 
@@ -188,6 +244,28 @@ struct Outcome<'a> {
     now: chrono::DateTime<chrono::Utc>,
 }
 
+/// A request refused before any quota was spent, by the descriptor that
+/// made it unadmittable: that descriptor `OVER_LIMIT`, the others `OK`,
+/// the reason in [`REFUSED_HEADER`].
+fn refused(read: &Read, descriptor: usize, reason: PolicyRefusal) -> RateLimitResponse {
+    let statuses = (0..read.of.len())
+        .map(|i| DescriptorStatus {
+            code: if i == descriptor { Code::OverLimit } else { Code::Ok } as i32,
+            ..Default::default()
+        })
+        .collect();
+    RateLimitResponse {
+        overall_code: Code::OverLimit as i32,
+        statuses,
+        response_headers_to_add: vec![HeaderValue {
+            key: REFUSED_HEADER.into(),
+            value: reason.label().into(),
+            ..Default::default()
+        }],
+        ..Default::default()
+    }
+}
+
 /// The service (one per agent, sharing its state).
 pub struct Rls {
     app: AppState,
@@ -198,6 +276,9 @@ impl Rls {
     /// Decides `read`; quotas with no policy are left out of the decision
     /// (not limited) and the others decided again.
     async fn decide(&self, read: &Read) -> Result<RateLimitResponse, Status> {
+        if let Some(i) = read.too_costly {
+            return Ok(self.policy_refusal(read, i, PolicyRefusal::CostAboveLimit));
+        }
         let now = self.app.clock.now_utc();
         let mut limited: Vec<bool> = vec![true; read.wants.len()];
         loop {
@@ -223,9 +304,20 @@ impl Rls {
                 Err((e @ (Error::Exhausted { .. } | Error::KeyLimited { .. }), Some(at))) => {
                     return Ok(self.answer(read, &outcome(&policies, Some(Err((&e, at))))))
                 }
+                Err((Error::PolicyRefuses { reason, .. }, Some(at))) => {
+                    // The first descriptor of the quota that refused.
+                    let d = read.of.iter().position(|o| *o == Some(idx[at])).unwrap_or(0);
+                    return Ok(self.policy_refusal(read, d, reason));
+                }
                 Err((e, _)) => return Err(status_of(&e)),
             }
         }
+    }
+
+    /// [`refused`], counted by reason.
+    fn policy_refusal(&self, read: &Read, descriptor: usize, reason: PolicyRefusal) -> RateLimitResponse {
+        self.app.metrics.inc("agent_rls_policy_refusals_total", &[("reason", reason.label())]);
+        refused(read, descriptor, reason)
     }
 
     /// The answer: one status per descriptor, in order.
@@ -336,6 +428,11 @@ pub fn describe(m: &quota_shared::prom::Registry) {
         "ShouldRateLimit answers by code (ok, over_limit, unavailable, invalid_argument)",
     );
     m.describe("agent_rls_seconds", "histogram", "ShouldRateLimit latency inside the agent");
+    m.describe(
+        "agent_rls_policy_refusals_total",
+        "counter",
+        "ShouldRateLimit requests answered OVER_LIMIT because their quota's policy can never admit them as sent, by reason (principal_missing, cost_above_burst, cost_above_limit)",
+    );
 }
 
 #[tonic::async_trait]
@@ -347,7 +444,7 @@ impl RateLimitService for Rls {
         let started = std::time::Instant::now();
         let result = match read(request.get_ref(), &self.mapping) {
             Ok(r) => self.decide(&r).await,
-            Err(msg) => Err(Status::invalid_argument(msg)),
+            Err(msg) => Err(Status::invalid_argument(bounded(msg))),
         };
         let code = match &result {
             Ok(r) if r.overall_code == Code::OverLimit as i32 => "over_limit",
@@ -359,6 +456,29 @@ impl RateLimitService for Rls {
         self.app.metrics.observe("agent_rls_seconds", &[], started.elapsed().as_secs_f64());
         result.map(Response::new)
     }
+}
+
+/// The start of the message tonic's prost codec gives a request it cannot
+/// decode (invalid UTF-8 in a string field, a truncated message).
+const DECODE_FAILED: &str = "failed to decode Protobuf message";
+
+/// Rewrites the `INTERNAL` status tonic answers for a request it cannot
+/// decode into `INVALID_ARGUMENT`: the caller sent bytes that are not a
+/// request, nothing inside the agent failed (gRPC's status code guide says
+/// INTERNAL for a parse error, which makes clients and alerts blame the
+/// server). The agent's own code never answers INTERNAL.
+pub fn undecodable_is_invalid_argument<B>(mut resp: axum::http::Response<B>) -> axum::http::Response<B> {
+    let h = resp.headers();
+    let internal = h.get("grpc-status").is_some_and(|v| v == "13");
+    let undecodable = h.get("grpc-message").and_then(|v| v.to_str().ok()).is_some_and(|m| {
+        // grpc-message is percent-encoded; the start is plain ASCII either way.
+        m.replace("%20", " ").starts_with(DECODE_FAILED)
+    });
+    if internal && undecodable {
+        let code = axum::http::HeaderValue::from(tonic::Code::InvalidArgument as i32);
+        resp.headers_mut().insert("grpc-status", code);
+    }
+    resp
 }
 
 /// Serves RLS and the health service on `listener` until `stop` is
@@ -389,6 +509,7 @@ pub async fn serve(app: AppState, mapping: Mapping, listener: TcpListener, stop:
     // (40 ms on Linux): measured as a 42 ms p99 at 16 streams.
     let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
     let served = tonic::transport::Server::builder()
+        .layer(tower::util::MapResponseLayer::new(undecodable_is_invalid_argument::<tonic::body::Body>))
         .timeout(Duration::from_secs(10))
         .concurrency_limit_per_connection(1024)
         .add_service(health)
@@ -466,6 +587,14 @@ mod tests {
                 "one principal",
             ),
             (req("atlas", 0, vec![desc(&[("resource", "r"), ("user", "")], None)]), "visible ASCII"),
+            (
+                req("atlas", 0, vec![desc(&[("resource", "r"), ("resource", "s")], None)]),
+                "\"resource\" is given twice",
+            ),
+            (
+                req("atlas", 0, vec![desc(&[("resource", "r"), ("user", "a"), ("user", "a")], None)]),
+                "\"user\" is given twice",
+            ),
         ];
         for (r, want) in cases {
             let e = read(&r, &mapping()).unwrap_err();
@@ -476,6 +605,75 @@ mod tests {
         assert!(read(&req("atlas", 0, vec![neg]), &mapping()).unwrap_err().contains("negative"));
         let many: Vec<_> = (0..9).map(|i| desc(&[("resource", &format!("r{i}"))], None)).collect();
         assert!(read(&req("atlas", 0, many), &mapping()).unwrap_err().contains("distinct quotas"));
+    }
+
+    #[test]
+    fn entries_the_agent_does_not_read_may_repeat() {
+        let r = read(
+            &req("atlas", 0, vec![desc(&[("path", "/a"), ("path", "/b"), ("resource", "r")], None)]),
+            &mapping(),
+        );
+        assert_eq!(r.unwrap().wants, vec![("r".to_string(), 1)]);
+    }
+
+    #[test]
+    fn a_cost_no_quota_admits_is_marked_for_a_refusal_not_an_error() {
+        let big = spend::MAX_COST as u64;
+        let r = read(
+            &req(
+                "atlas",
+                0,
+                vec![desc(&[("generic_key", "x")], None), desc(&[("resource", "r")], Some(big + 1))],
+            ),
+            &mapping(),
+        )
+        .unwrap();
+        assert_eq!(r.too_costly, Some(1));
+        // Costs of one quota add up past the bound too.
+        let r = read(
+            &req(
+                "atlas",
+                0,
+                vec![desc(&[("resource", "r")], Some(big)), desc(&[("resource", "r")], Some(1))],
+            ),
+            &mapping(),
+        )
+        .unwrap();
+        assert_eq!(r.too_costly, Some(0));
+        let r = read(&req("atlas", 0, vec![desc(&[("resource", "r")], Some(big))]), &mapping()).unwrap();
+        assert_eq!(r.too_costly, None);
+        let answer = refused(&r, 0, PolicyRefusal::CostAboveLimit);
+        assert_eq!(answer.overall_code, Code::OverLimit as i32);
+        assert_eq!(answer.response_headers_to_add[0].key, REFUSED_HEADER);
+        assert_eq!(answer.response_headers_to_add[0].value, "cost_above_limit");
+    }
+
+    #[test]
+    fn messages_repeat_at_most_echo_max_bytes_of_a_value() {
+        assert_eq!(echo("read"), "\"read\"");
+        let long = "é".repeat(200); // 400 bytes, 2 per character
+        let e = echo(&long);
+        assert!(e.len() < ECHO_MAX + 30 && e.ends_with("... (400 bytes)"), "{e}");
+        let err = read(&req(&"x".repeat(1 << 20), 0, vec![]), &mapping()).unwrap_err();
+        assert!(err.len() < 300, "{} bytes", err.len());
+        assert_eq!(bounded("y".repeat(5000)).len(), MESSAGE_MAX);
+    }
+
+    #[test]
+    fn only_an_undecodable_request_s_internal_becomes_invalid_argument() {
+        let resp = |status: &str, msg: &str| {
+            axum::http::Response::builder()
+                .header("grpc-status", status)
+                .header("grpc-message", msg)
+                .body(())
+                .unwrap()
+        };
+        let status = |r: axum::http::Response<()>| r.headers()["grpc-status"].to_str().unwrap().to_string();
+        let bad = "failed to decode Protobuf message: RateLimitRequest.domain: invalid string value";
+        assert_eq!(status(undecodable_is_invalid_argument(resp("13", bad))), "3");
+        assert_eq!(status(undecodable_is_invalid_argument(resp("13", &bad.replace(' ', "%20")))), "3");
+        assert_eq!(status(undecodable_is_invalid_argument(resp("13", "something else"))), "13");
+        assert_eq!(status(undecodable_is_invalid_argument(resp("14", bad))), "14");
     }
 
     #[test]

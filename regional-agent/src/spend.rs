@@ -11,7 +11,7 @@
 
 use crate::app::AppState;
 use crate::batch;
-use crate::error::{Error, Result};
+use crate::error::{Error, PolicyRefusal, Result};
 use crate::keys::{Keys, Layout};
 use crate::quotas::{self, PolicyInfo, Quota};
 use crate::renew;
@@ -45,8 +45,16 @@ pub const MAX_RESOURCES: usize = 8;
 #[serde(deny_unknown_fields)]
 pub struct ResourceCost {
     pub resource: String,
-    #[serde(default = "one")]
+    /// Default 1; `null` is the same as leaving it out, as in the single
+    /// form's `cost`.
+    #[serde(default = "one", deserialize_with = "null_is_one")]
+    #[schema(nullable, default = 1)]
     pub cost: i64,
+}
+
+/// `cost` absent or `null`: 1 (the one rule of both request forms).
+fn null_is_one<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<i64, D::Error> {
+    Ok(<Option<i64> as serde::Deserialize>::deserialize(d)?.unwrap_or(1))
 }
 
 /// A valid acquire: the quotas it spends, in the request's order.
@@ -263,26 +271,32 @@ async fn learn(app: &AppState, tenant: &str, resource: &str) -> Result<(Arc<Quot
 /// The checks of one quota's cost and key against its policy.
 fn check(req: &Acquire, w: &ResourceCost, p: PolicyInfo) -> Result<()> {
     let on = if req.multi { format!(" on {:?}", w.resource) } else { String::new() };
+    let refuse = |field: &str, reason, message| {
+        Err(Error::PolicyRefuses { field: field.to_string(), reason, message })
+    };
     if w.cost > p.limit {
-        return Err(Error::invalid(
+        return refuse(
             req.field("cost"),
+            PolicyRefusal::CostAboveLimit,
             format!("{}{on} is above the quota's limit {}", w.cost, p.limit),
-        ));
+        );
     }
     if let Some(b) = p.per_key {
         if req.key.is_none() {
-            return Err(Error::invalid(
+            return refuse(
                 "key",
+                PolicyRefusal::PrincipalMissing,
                 format!(
                     "the quota{on} has a per-key limit: name the principal (user, API key) the request spends for"
                 ),
-            ));
+            );
         }
         if w.cost > b.burst {
-            return Err(Error::invalid(
+            return refuse(
                 req.field("cost"),
+                PolicyRefusal::CostAboveBurst,
                 format!("{}{on} is above the per-key burst {}", w.cost, b.burst),
-            ));
+            );
         }
     }
     Ok(())

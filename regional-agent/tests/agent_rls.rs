@@ -121,7 +121,7 @@ async fn a_per_user_limit_and_hits_addend_at_both_levels() {
         json!({"limit": 1000, "window_secs": 3600, "per_key": {"rate_per_sec": 0.001, "burst": 5}}),
     )
     .await;
-    let (_a, c, _) = rls_agent(&w, "eu-1", None).await;
+    let (a, c, _) = rls_agent(&w, "eu-1", None).await;
     let as_user = |u: &str, hits| vec![d(&[("resource", "write"), ("user", u)], hits)];
     // Request-level hits_addend 2, then a descriptor-level 3 overriding the
     // request's 4: u1's bucket of 5 is spent.
@@ -133,11 +133,107 @@ async fn a_per_user_limit_and_hits_addend_at_both_levels() {
     assert_eq!(header(&r, "ratelimit-policy"), Some("\"atlas/write/per_key\";q=5;w=5000"), "{r:?}");
     // Another user is another bucket.
     assert_eq!(ask(&c, as_user("u2", None), 0).await.expect("OK").overall_code, Code::Ok as i32);
-    // A quota with a per-key limit and no user: invalid, as over HTTP.
-    let e = ask(&c, vec![d(&[("resource", "write")], None)], 0).await.expect_err("no user");
-    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
-    // 2 + 3 + 1: the refusal debited nothing.
+    // A quota with a per-key limit and no user, or a cost above the burst:
+    // refusals, not errors (Envoy would let an error through unless
+    // failure_mode_deny is set), with the reason.
+    for (descriptors, reason) in [
+        (vec![d(&[("generic_key", "x")], None), d(&[("resource", "write")], None)], "principal_missing"),
+        (vec![d(&[("resource", "write"), ("user", "u3")], Some(6))], "cost_above_burst"),
+        (vec![d(&[("resource", "write"), ("user", "u3")], Some(1001))], "cost_above_limit"),
+        (vec![d(&[("resource", "write"), ("user", "u3")], Some(u64::MAX))], "cost_above_limit"),
+    ] {
+        let n = descriptors.len();
+        let r = ask(&c, descriptors, 0).await.expect("a refusal, not an error");
+        assert_eq!(r.overall_code, Code::OverLimit as i32, "{reason}: {r:?}");
+        assert_eq!(r.statuses[n - 1].code, Code::OverLimit as i32, "{reason}: {r:?}");
+        assert!(n == 1 || r.statuses[0].code == Code::Ok as i32, "{reason}: {r:?}");
+        assert_eq!(header(&r, "x-quota-refused"), Some(reason), "{r:?}");
+    }
+    let m = a.http.get("/metrics").await.expect(200).body.as_str().unwrap_or_default().to_string();
+    for (reason, n) in [("principal_missing", 1.0), ("cost_above_burst", 1.0), ("cost_above_limit", 2.0)] {
+        let series = format!("agent_rls_policy_refusals_total{{reason=\"{reason}\"}}");
+        assert_eq!(quota_tests::http::metric(&m, &series), Some(n), "{series}");
+    }
+    // 2 + 3 + 1: the refusals debited nothing.
     w.wait_consumed("write", 6).await;
+}
+
+/// Bytes that are not a `RateLimitRequest` (invalid UTF-8 in `domain`,
+/// field 1), sent as they are: tonic's own codec would answer INTERNAL.
+mod raw {
+    use tonic::codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
+    use tonic::codegen::Bytes;
+    use tonic::Status;
+
+    pub struct RawCodec;
+    pub struct Raw;
+
+    impl Encoder for Raw {
+        type Item = Vec<u8>;
+        type Error = Status;
+        fn encode(&mut self, item: Vec<u8>, dst: &mut EncodeBuf<'_>) -> Result<(), Status> {
+            bytes::BufMut::put_slice(dst, &item);
+            Ok(())
+        }
+    }
+
+    impl Decoder for Raw {
+        type Item = Bytes;
+        type Error = Status;
+        fn decode(&mut self, src: &mut DecodeBuf<'_>) -> Result<Option<Bytes>, Status> {
+            let n = bytes::Buf::remaining(src);
+            Ok(Some(bytes::Buf::copy_to_bytes(src, n)))
+        }
+    }
+
+    impl Codec for RawCodec {
+        type Encode = Vec<u8>;
+        type Decode = Bytes;
+        type Encoder = Raw;
+        type Decoder = Raw;
+        fn encoder(&mut self) -> Raw {
+            Raw
+        }
+        fn decoder(&mut self) -> Raw {
+            Raw
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_requests_are_invalid_argument_with_bounded_messages() {
+    let w = World::start().await;
+    w.policy("atlas", "read", json!({"limit": 100, "window_secs": 3600})).await;
+    let (_a, c, url) = rls_agent(&w, "eu-1", None).await;
+
+    // The resource entry twice: which one was meant is not guessed.
+    let e = ask(&c, vec![d(&[("resource", "read"), ("resource", "write")], None)], 0)
+        .await
+        .expect_err("a repeated entry");
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+    assert!(e.message().contains("\"resource\" is given twice"), "{e:?}");
+
+    // A 1 MB domain: named, not echoed whole.
+    let mut big = c.clone();
+    let req = RateLimitRequest { domain: "a".repeat(1 << 20), descriptors: vec![], hits_addend: 0 };
+    let e = big.should_rate_limit(req).await.expect_err("a domain too long");
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+    assert!(e.message().len() <= 1024 && e.message().starts_with("domain"), "{} bytes", e.message().len());
+
+    // Invalid UTF-8 in the domain (field 1, length-delimited).
+    let channel = tonic::transport::Endpoint::from_shared(url).unwrap().connect().await.unwrap();
+    let mut g = tonic::client::Grpc::new(channel);
+    g.ready().await.unwrap();
+    let path = tonic::codegen::http::uri::PathAndQuery::from_static(
+        "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit",
+    );
+    let bytes = vec![0x0a, 0x03, b'a', 0xff, 0xfe];
+    let e = g.unary(tonic::Request::new(bytes), path, raw::RawCodec).await.expect_err("undecodable");
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+
+    // And the service still decides.
+    let r = ask(&c, vec![d(&[("resource", "read")], None)], 0).await.expect("OK");
+    assert_eq!(r.overall_code, Code::Ok as i32, "{r:?}");
 }
 
 /// Two descriptors of one request, 16 concurrent streams over two agents,
