@@ -177,13 +177,14 @@ fn spend_op(store: Store, a: SpendArgs) -> Op {
     })
 }
 
-/// A client of the agent's rate limit service at `addr` (one HTTP/2
-/// connection; each concurrent call is a stream of it, as from Envoy).
-async fn rls_client(addr: &str) -> Result<RlsClient, String> {
+/// One HTTP/2 connection to the agent's rate limit service at `addr`;
+/// each concurrent call is a stream of it, as from Envoy.
+async fn rls_channel(addr: &str) -> Result<tonic::transport::Channel, String> {
     let url = format!("http://{addr}");
     let deadline = std::time::Instant::now() + CALL_TIMEOUT;
     loop {
-        match RlsClient::connect(url.clone()).await {
+        let endpoint = tonic::transport::Endpoint::from_shared(url.clone()).map_err(|e| e.to_string())?;
+        match endpoint.tcp_nodelay(true).connect().await {
             Ok(c) => return Ok(c),
             Err(e) if std::time::Instant::now() >= deadline => return Err(format!("RLS at {url}: {e}")),
             Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
@@ -195,6 +196,27 @@ type RlsClient =
     envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient<
         tonic::transport::Channel,
     >;
+
+/// `grpc.health.v1.Health/Check` of the RLS service over the same
+/// connection: the gRPC floor (transport and framing, no decision), as
+/// `GET /healthz` is HTTP's.
+fn grpc_floor_op(channel: tonic::transport::Channel) -> Op {
+    use tonic_health::pb::health_client::HealthClient;
+    use tonic_health::pb::HealthCheckRequest;
+    let client = HealthClient::new(channel);
+    let req = HealthCheckRequest { service: regional_agent::rls::SERVICE_NAME.into() };
+    Arc::new(move |_, _| {
+        let (mut client, req) = (client.clone(), req.clone());
+        async move {
+            tokio::time::timeout(CALL_TIMEOUT, client.check(req))
+                .await
+                .map_err(|_| "Health/Check timed out".to_string())?
+                .map_err(|e| format!("Health/Check: {e}"))
+                .map(|_| ())
+        }
+        .boxed()
+    })
+}
 
 /// `ShouldRateLimit` for one descriptor naming the bench quota.
 fn rls_op(client: RlsClient) -> Op {
@@ -243,7 +265,8 @@ pub async fn run(rig: &Rig, plan: &Plan, out: &mut Results, progress: &dyn Fn(&s
     }
     let grpc = format!("127.0.0.1:{}", quota_tests::free_port());
     let agent = rig.agent_as("eu", &redis.url, vec![("AGENT_GRPC_LISTEN".into(), grpc.clone())]).await;
-    let rls = rls_client(&grpc).await?;
+    let rls_channel = rls_channel(&grpc).await?;
+    let rls = RlsClient::new(rls_channel.clone());
     let http = client(CALL_TIMEOUT)?;
     // Warm: the agent learns the policies and credits a first lease.
     let per_key_op = acquire_op_for(http.clone(), &agent.base, &[RESOURCE_PER_KEY], true);
@@ -285,7 +308,7 @@ pub async fn run(rig: &Rig, plan: &Plan, out: &mut Results, progress: &dyn Fn(&s
         let (mut lim_s, mut r_peer): (Vec<Sample>, Vec<f64>) = (Vec::new(), Vec::new());
         let mut stages: Vec<Stages> = Vec::new();
         let (mut per_key_s, mut two_s): (Vec<Sample>, Vec<Sample>) = (Vec::new(), Vec::new());
-        let mut rls_s: Vec<Sample> = Vec::new();
+        let (mut rls_s, mut grpc_floor_s): (Vec<Sample>, Vec<Sample>) = (Vec::new(), Vec::new());
         for rep in 0..plan.reps {
             progress(&format!("acquire: {c} client(s), repetition {}/{}", rep + 1, plan.reps));
             let before = StageSums::read(&http, &agent.base).await?;
@@ -295,6 +318,7 @@ pub async fn run(rig: &Rig, plan: &Plan, out: &mut Results, progress: &dyn Fn(&s
             let l = closed_loop(c, plan.acquire, spend_op(store.clone(), args.clone())).await?;
             let f = closed_loop(c, plan.acquire, healthz_op(http.clone(), &agent.base)).await?;
             rls_s.push(closed_loop(c, plan.acquire, rls_op(rls.clone())).await?);
+            grpc_floor_s.push(closed_loop(c, plan.acquire, grpc_floor_op(rls_channel.clone())).await?);
             if c == PER_KEY_CLIENTS {
                 per_key_s.push(closed_loop(c, plan.acquire, per_key_op.clone()).await?);
                 two_s.push(closed_loop(c, plan.acquire, two_op.clone()).await?);
@@ -339,6 +363,8 @@ pub async fn run(rig: &Rig, plan: &Plan, out: &mut Results, progress: &dyn Fn(&s
             }
         }
         Medians::of(&rls_s).put(out, &format!("rls.c{c}"), "decisions_per_s", &format!("rls c{c}"));
+        let floor = Medians::of(&grpc_floor_s);
+        floor.put(out, &format!("rls.c{c}.grpc_floor"), "per_s", &format!("grpc floor c{c}"));
         if !lim_s.is_empty() {
             let m = Medians::of(&lim_s);
             out.set(&k("limitador_per_s"), m.per_s);

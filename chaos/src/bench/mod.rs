@@ -22,6 +22,7 @@
 //! ([`crate::figures`]) unless `--no-publish`.
 
 pub mod acquire;
+pub mod envoy;
 pub mod grants;
 pub mod hist;
 pub mod machine;
@@ -79,6 +80,7 @@ pub enum Part {
     Grants,
     Tls,
     Utilization,
+    Envoy,
 }
 
 impl BenchArgs {
@@ -280,8 +282,8 @@ pub async fn run(args: BenchArgs) -> Result<bool, String> {
     let bins = crate::bins::ensure()?;
     let mut out = Results::default();
 
-    if args.runs(Part::Acquire) || args.runs(Part::Renewal) || args.runs(Part::Grants) || args.runs(Part::Tls)
-    {
+    let on_rig = [Part::Acquire, Part::Renewal, Part::Grants, Part::Tls, Part::Envoy];
+    if on_rig.iter().any(|&p| args.runs(p)) {
         say("starting PostgreSQL and 2 allocator replicas (direct links)");
         let rig = rig::Rig::start(bins.clone(), 2).await?;
         if args.runs(Part::Acquire) {
@@ -295,6 +297,9 @@ pub async fn run(args: BenchArgs) -> Result<bool, String> {
         }
         if args.runs(Part::Tls) {
             tls::run(&rig, &plan, &mut out, &say).await?;
+        }
+        if args.runs(Part::Envoy) {
+            envoy::run(&rig, &plan, &mut out, &say).await?;
         }
     }
     if args.runs(Part::Utilization) {

@@ -139,20 +139,53 @@ pub fn body(r: &BenchReport) -> String {
     );
     let _ = writeln!(
         s,
-        "| streams | RLS decisions/s | RLS p50 ms | RLS p99 ms | HTTP acquire decisions/s | HTTP p99 ms |"
+        "| streams | RLS decisions/s | RLS p50 ms | RLS p99 ms | gRPC floor (Health/Check) /s | gRPC floor p99 ms | HTTP acquire decisions/s | HTTP p99 ms | RLS / HTTP |"
     );
-    let _ = writeln!(s, "|---|---|---|---|---|---|");
+    let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|");
     for c in super::acquire::CLIENTS {
+        let ratio = match (r.get(&format!("rls.c{c}.decisions_per_s")), r.get(&format!("acquire.c{c}.decisions_per_s"))) {
+            (Some(g), Some(h)) if h > 0.0 => format!("{:.2}", g / h),
+            _ => "–".into(),
+        };
         let _ = writeln!(
             s,
-            "| {c} | {} | {} | {} | {} | {} |",
+            "| {c} | {} | {} | {} | {} | {} | {} | {} | {ratio} |",
             v(r, &format!("rls.c{c}.decisions_per_s")),
             v(r, &format!("rls.c{c}.p50_ms")),
             v(r, &format!("rls.c{c}.p99_ms")),
+            v(r, &format!("rls.c{c}.grpc_floor.per_s")),
+            v(r, &format!("rls.c{c}.grpc_floor.p99_ms")),
             v(r, &format!("acquire.c{c}.decisions_per_s")),
             v(r, &format!("acquire.c{c}.p99_ms")),
         );
     }
+
+    let c = super::envoy::CONNECTIONS;
+    let e = |k: &str| v(r, &format!("envoy.c{c}.{k}"));
+    let _ = writeln!(
+        s,
+        "
+Through Envoy (issue 33): one Envoy (1 worker thread) in front of a small upstream,          {c} keep-alive connections, two routes that differ only in the rate limit filter asking          the agent (`envoy.c{c}.*`):
+"
+    );
+    let _ = writeln!(s, "| route | requests/s | p50 ms | p99 ms |");
+    let _ = writeln!(s, "|---|---|---|---|");
+    for (label, k) in [("with the rate limit filter", "with_filter"), ("without it", "without_filter")] {
+        let _ = writeln!(
+            s,
+            "| {label} | {} | {} | {} |",
+            e(&format!("{k}_per_s")),
+            e(&format!("{k}_p50_ms")),
+            e(&format!("{k}_p99_ms"))
+        );
+    }
+    let _ = writeln!(
+        s,
+        "
+With / without the filter: {}; the agent's CPU per decision on that path: {} µs.",
+        e("filter_ratio"),
+        e("agent_cpu_us_per_decision")
+    );
 
     let _ = writeln!(s, "\n### Where a decision's time goes (means per decision, µs)\n");
     let _ = writeln!(
