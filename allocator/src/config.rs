@@ -167,3 +167,21 @@ impl Config {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn listener_limits_out_of_range_are_errors_naming_the_flag() {
+        for (flag, bad) in
+            [("--header-read-timeout-secs", "0"), ("--idle-timeout-secs", "3601"), ("--max-connections", "3")]
+        {
+            let c = Config::try_parse_from(["allocator", flag, bad]).expect("flags parse");
+            let e = c.limits().unwrap_err();
+            assert!(e.contains(flag), "{flag} {bad}: {e}");
+        }
+        let c = Config::try_parse_from(["allocator"]).expect("flags parse");
+        assert_eq!(c.limits().expect("defaults are valid").max_connections, 4096);
+    }
+}

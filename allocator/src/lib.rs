@@ -269,7 +269,7 @@ pub async fn serve(config: config::Config) -> Result<(), String> {
         limits.max_connections = bound[0];
     }
     let db = connect(&database_url, config.db_max_connections).await?;
-    let listener = TcpListener::bind(addr).await.map_err(|e| format!("cannot listen on {addr}: {e}"))?;
+    let listener = quota_shared::listen::bind(addr).map_err(|e| format!("cannot listen on {addr}: {e}"))?;
     let mut state = AppState::new(db);
     state.auth = tokens;
     state.window_metrics_quotas = i64::from(config.window_metrics_quotas);

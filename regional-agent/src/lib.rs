@@ -525,11 +525,10 @@ pub async fn serve(config: config::Config) -> Result<(), String> {
     }
     let app = App::new(settings).await?;
     describe_metrics(&app.metrics);
-    let listener = TcpListener::bind(addr).await.map_err(|e| format!("cannot listen on {addr}: {e}"))?;
+    let listener = quota_shared::listen::bind(addr).map_err(|e| format!("cannot listen on {addr}: {e}"))?;
     let grpc = match app.settings.grpc_listen {
         Some(g) => {
-            let l = TcpListener::bind(g)
-                .await
+            let l = quota_shared::listen::bind(g)
                 .map_err(|e| format!("cannot listen on {g} (--grpc-listen): {e}"))?;
             tracing::info!(addr = %l.local_addr().map_err(|e| e.to_string())?, "Envoy rate limit service (gRPC) listening");
             Some(l)

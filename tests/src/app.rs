@@ -69,7 +69,7 @@ impl TestAllocator {
         state.auth =
             allocator::http::auth::Tokens { agent: opts.agent_token, admin: opts.admin_token, regions };
         let tls = opts.tls.map(|f| allocator::tls::ServerTls::load(f).expect("TLS files"));
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let listener = quota_shared::listen::bind(([127, 0, 0, 1], 0).into()).expect("bind");
         let addr = listener.local_addr().expect("addr");
         // Certificates name `localhost`; the listener is on loopback either way.
         let base = match tls {
