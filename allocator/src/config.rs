@@ -61,8 +61,8 @@ pub struct Config {
 
     /// Seconds a client has, from connecting (or from the first byte of its
     /// next request on a kept-alive connection), to send a request's
-    /// headers; TLS handshakes count within it. Slower clients are
-    /// disconnected.
+    /// headers (TLS handshakes count within it), and as long again for its
+    /// body once they are in. Slower clients are disconnected.
     #[arg(long, env = "ALLOCATOR_HEADER_READ_TIMEOUT_SECS", default_value_t = listen::DEFAULT_HEADER_READ_TIMEOUT_SECS)]
     pub header_read_timeout_secs: u64,
 

@@ -18,7 +18,7 @@
 use crate::http::auth::ClientCert;
 use crate::reload::Watched;
 use axum::Router;
-use hyper::body::Incoming;
+use quota_shared::listen::http::TimedBody;
 use quota_shared::listen::{Limits, ListenerMetrics};
 use quota_shared::pem;
 use rustls::server::WebPkiClientVerifier;
@@ -189,7 +189,7 @@ pub async fn serve(
                 .peer_certificates()
                 .and_then(|c| c.first())
                 .map(|c| ClientCert { regions: regions_of(c) });
-            let svc = router.map_request(move |mut req: axum::http::Request<Incoming>| {
+            let svc = router.map_request(move |mut req: axum::http::Request<TimedBody>| {
                 if let Some(c) = &client {
                     req.extensions_mut().insert(c.clone());
                 }

@@ -87,8 +87,9 @@ pub struct Config {
 
     /// Seconds a client has, from connecting (or from the first byte of its
     /// next request on a kept-alive connection), to send a request's
-    /// headers, on the HTTP port; on the gRPC port, to send the HTTP/2
-    /// connection preface. Slower clients are disconnected.
+    /// headers (and as long again for its body once they are in), on the
+    /// HTTP port; on the gRPC port, to send the HTTP/2 connection preface.
+    /// Slower clients are disconnected.
     #[arg(long, env = "AGENT_HEADER_READ_TIMEOUT_SECS", default_value_t = listen::DEFAULT_HEADER_READ_TIMEOUT_SECS)]
     pub header_read_timeout_secs: u64,
 

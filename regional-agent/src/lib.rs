@@ -201,6 +201,15 @@
 //!   around the circuit breaker, so this call never changes how it admits.
 //! * The agent's own endpoints have no authentication (it is a sidecar);
 //!   it warns when listening on a non-loopback address.
+//! * **Listener limits** (both ports): a header read timeout, an idle
+//!   timeout and a connection bound each (`--header-read-timeout-secs`,
+//!   `--idle-timeout-secs`, `--max-connections`, `--grpc-max-connections`,
+//!   `--grpc-max-streams-per-connection`), fitted at start under the
+//!   open-file limit, which is raised to the hard limit. At the HTTP bound
+//!   the longest-idle connection is evicted, and a reserved share serves
+//!   only probes while every connection is busy, so `/healthz` and
+//!   `/readyz` stay answerable (`quota_shared::listen`, docs/deploying.md
+//!   "Listener limits").
 
 pub mod acquire;
 pub mod app;

@@ -1,5 +1,5 @@
 //! The agent's listener limits on both ports: a client sending its headers
-//! a byte at a time is closed at the header read timeout; idle connections
+//! (or its body) a byte at a time is ended at the header read timeout; idle connections
 //! beyond the bound stop neither a probe nor a decision; under
 //! `ulimit -n 1024` 2,000 connection attempts leave the probes answered and
 //! the agent accepting again once they are gone, without a restart; the
@@ -15,7 +15,7 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::R
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use quota_tests::agent::{AgentOpts, AgentProc};
 use quota_tests::http::metric;
-use quota_tests::listeners::{closed_count, crowd, fresh_client, probe, slow_headers};
+use quota_tests::listeners::{closed_count, crowd, fresh_client, probe, slow_headers, slow_request};
 use serde_json::json;
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -55,7 +55,7 @@ async fn decide(a: &AgentProc) -> Option<u16> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn slow_headers_are_closed_at_the_header_read_timeout() {
+async fn slow_headers_and_a_slow_body_are_ended_at_the_header_read_timeout() {
     let w = World::start().await;
     let a = w.agent("eu", "eu-1", None, &[("AGENT_HEADER_READ_TIMEOUT_SECS", "1")]).await;
     let took = slow_headers(&host(&a.base), Duration::from_millis(200), Duration::from_secs(5))
@@ -64,6 +64,22 @@ async fn slow_headers_are_closed_at_the_header_read_timeout() {
     eprintln!("agent closed a slow client after {took:?} (header read timeout 1 s)");
     assert!(took >= Duration::from_millis(900) && took < Duration::from_millis(2500), "{took:?}");
     assert!(closed_by(&a, "http", "header_timeout").await >= 1.0);
+
+    // A body sent a byte every 200 ms gets the same time once the headers
+    // are in: answered (an error) then, not held.
+    let head = b"POST /v1/acquire HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 200\r\n\r\n";
+    let end = slow_request(
+        &host(&a.base),
+        head,
+        b"{\"tenant\": ",
+        Duration::from_millis(200),
+        Duration::from_secs(5),
+    )
+    .await
+    .expect("a slow body was neither answered nor closed within 5 s");
+    eprintln!("agent ended a slow body after {:?}: {:?}", end.after, end.answer);
+    assert!(end.after >= Duration::from_millis(900) && end.after < Duration::from_millis(2500), "{end:?}");
+    assert!(closed_by(&a, "http", "header_timeout").await >= 2.0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

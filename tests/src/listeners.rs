@@ -10,18 +10,40 @@ use tokio::net::TcpStream;
 /// A request head that is never finished (no blank line).
 pub const PARTIAL_HEAD: &[u8] = b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: ";
 
+/// What a slow client saw.
+#[derive(Debug)]
+pub struct SlowEnd {
+    /// From connecting to the server's first answer byte or its close.
+    pub after: Duration,
+    /// The answer's status line, if it answered before closing.
+    pub answer: Option<String>,
+}
+
 /// Connects to `addr` and sends a request head one byte every `every`;
-/// answers the time from connecting until the server closed the
-/// connection, or `None` if it was still open after `give_up` (or
-/// answered, which a head never finished cannot get).
+/// answers when the server closed the connection, or `None` if it was
+/// still open after `give_up` (a head never finished gets no answer).
 pub async fn slow_headers(addr: &str, every: Duration, give_up: Duration) -> Option<Duration> {
+    let end = slow_request(addr, b"", PARTIAL_HEAD, every, give_up).await?;
+    assert_eq!(end.answer, None, "a head never finished was answered");
+    Some(end.after)
+}
+
+/// Connects to `addr`, sends `head` at once, then `drip` (then filler) one
+/// byte every `every`; answers what the server did first (answer or
+/// close), or `None` if it did neither within `give_up`.
+pub async fn slow_request(
+    addr: &str,
+    head: &[u8],
+    drip: &'static [u8],
+    every: Duration,
+    give_up: Duration,
+) -> Option<SlowEnd> {
     let started = Instant::now();
     let stream = TcpStream::connect(addr).await.expect("connect");
     let (mut rd, mut wr) = stream.into_split();
+    wr.write_all(head).await.expect("head");
     let writer = tokio::spawn(async move {
-        let head =
-            PARTIAL_HEAD.iter().chain(b"aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa".iter()).cycle();
-        for b in head {
+        for b in drip.iter().chain(b"aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa".iter().cycle()) {
             if wr.write_all(&[*b]).await.is_err() {
                 return;
             }
@@ -30,13 +52,16 @@ pub async fn slow_headers(addr: &str, every: Duration, give_up: Duration) -> Opt
         }
     });
     let mut buf = [0u8; 256];
-    // End of file or an error: closed; bytes: answered.
-    let closed =
-        tokio::time::timeout(give_up, async { matches!(rd.read(&mut buf).await, Ok(0) | Err(_)) }).await;
+    let read = tokio::time::timeout(give_up, rd.read(&mut buf)).await;
     writer.abort();
-    match closed {
-        Ok(true) => Some(started.elapsed()),
-        _ => None,
+    let after = started.elapsed();
+    match read {
+        Ok(Ok(0) | Err(_)) => Some(SlowEnd { after, answer: None }),
+        Ok(Ok(n)) => {
+            let text = String::from_utf8_lossy(&buf[..n]);
+            Some(SlowEnd { after, answer: text.lines().next().map(str::to_string) })
+        }
+        Err(_) => None,
     }
 }
 

@@ -4,7 +4,7 @@
 //! connections at once; the caller bounds the wait).
 
 use super::slots::{Admit, Conn, Slot, Slots};
-use super::{Limits, ListenerMetrics};
+use super::{Limits, ListenerMetrics, Reason};
 use hyper::body::Incoming;
 use hyper::{Request, Response, StatusCode};
 use hyper_util::rt::{TokioIo, TokioTimer};
@@ -48,7 +48,10 @@ where
     H: Fn(TcpStream, SocketAddr) -> HF + Clone + Send + 'static,
     HF: Future<Output = Option<(IO, S)>> + Send + 'static,
     IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
-    S: tower::Service<Request<Incoming>, Response = Response<B>, Error = Infallible> + Clone + Send + 'static,
+    S: tower::Service<Request<TimedBody>, Response = Response<B>, Error = Infallible>
+        + Clone
+        + Send
+        + 'static,
     S::Future: Send + 'static,
     B: hyper::body::Body + From<String> + Send + 'static,
     B::Data: Send,
@@ -113,14 +116,23 @@ async fn connection<IO, S, B>(
     peer: SocketAddr,
 ) where
     IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
-    S: tower::Service<Request<Incoming>, Response = Response<B>, Error = Infallible> + Clone + Send + 'static,
+    S: tower::Service<Request<TimedBody>, Response = Response<B>, Error = Infallible>
+        + Clone
+        + Send
+        + 'static,
     S::Future: Send + 'static,
     B: hyper::body::Body + From<String> + Send + 'static,
     B::Data: Send,
     B::Error: Into<BoxError>,
 {
     let conn = slot.conn.clone();
-    let svc = Track { inner: svc, conn: conn.clone(), probes_only };
+    let svc = Track {
+        inner: svc,
+        conn: conn.clone(),
+        probes_only,
+        body_timeout: limits.header_read_timeout,
+        metrics: slot.metrics().clone(),
+    };
     let mut builder = hyper::server::conn::http1::Builder::new();
     // One probe per reserved connection: it gives its slot back at once.
     builder.timer(TokioTimer::new()).keep_alive(!probes_only);
@@ -175,11 +187,14 @@ struct Track<S> {
     inner: S,
     conn: Arc<Conn>,
     probes_only: bool,
+    /// From the end of the headers to the end of the body.
+    body_timeout: Duration,
+    metrics: ListenerMetrics,
 }
 
 impl<S, B> tower::Service<Request<Incoming>> for Track<S>
 where
-    S: tower::Service<Request<Incoming>, Response = Response<B>, Error = Infallible>,
+    S: tower::Service<Request<TimedBody>, Response = Response<B>, Error = Infallible>,
     S::Future: Send + 'static,
     B: From<String> + Send + 'static,
 {
@@ -196,6 +211,15 @@ where
             return Box::pin(std::future::ready(Ok(overloaded())));
         }
         let busy = self.conn.start_request();
+        let deadline = tokio::time::Instant::now() + self.body_timeout;
+        let conn = self.conn.clone();
+        let metrics = self.metrics.clone();
+        let req = req.map(|inner| TimedBody {
+            inner,
+            deadline: Box::pin(tokio::time::sleep_until(deadline)),
+            conn,
+            metrics,
+        });
         let answer = self.inner.call(req);
         Box::pin(async move {
             let r = answer.await;
@@ -215,6 +239,48 @@ fn overloaded<B: From<String>>() -> Response<B> {
     h.insert(hyper::header::CONNECTION, hyper::header::HeaderValue::from_static("close"));
     h.insert(hyper::header::RETRY_AFTER, hyper::header::HeaderValue::from_static("1"));
     r
+}
+
+/// A request's body that fails once it has not arrived in full within the
+/// header read timeout counted from the end of the headers (a client that
+/// sends its body slowly holds a connection that is not idle, so eviction
+/// cannot free it). The handler sees a body error and answers it; hyper
+/// then closes the connection, the body being unread.
+pub struct TimedBody {
+    inner: Incoming,
+    deadline: Pin<Box<tokio::time::Sleep>>,
+    conn: Arc<Conn>,
+    metrics: ListenerMetrics,
+}
+
+impl hyper::body::Body for TimedBody {
+    type Data = hyper::body::Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<hyper::body::Frame<Self::Data>, Self::Error>>> {
+        match Pin::new(&mut self.inner).poll_frame(cx) {
+            Poll::Ready(r) => return Poll::Ready(r.map(|f| f.map_err(Into::into))),
+            Poll::Pending => {}
+        }
+        match self.deadline.as_mut().poll(cx) {
+            Poll::Ready(()) => {
+                self.conn.count_closed(&self.metrics, Reason::HeaderTimeout);
+                Poll::Ready(Some(Err("request body not received within the header read timeout".into())))
+            }
+            Poll::Pending => Poll::Pending,
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.inner.size_hint()
+    }
 }
 
 /// A connection's stream, telling its state when bytes arrive.

@@ -57,7 +57,8 @@ pub const MAX_CONNECTIONS: usize = 1 << 20;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Limits {
     /// From accept (or from a keep-alive connection's first byte of its
-    /// next request) to the end of the request's headers.
+    /// next request) to the end of the request's headers; the body gets as
+    /// long again from there.
     pub header_read_timeout: Duration,
     /// Longest a connection may wait between requests.
     pub idle_timeout: Duration,

@@ -81,6 +81,14 @@ impl Conn {
         }
     }
 
+    /// Counts the connection's closing once (a stream may report a
+    /// timeout twice).
+    pub fn count_closed(&self, metrics: &ListenerMetrics, reason: Reason) {
+        if !self.closed_counted.swap(true, Ordering::AcqRel) {
+            metrics.closed(reason);
+        }
+    }
+
     /// A request's headers were read: it is in progress until the guard drops.
     pub fn start_request(self: &Arc<Self>) -> Busy {
         self.busy.fetch_add(1, Ordering::AcqRel);
@@ -158,9 +166,12 @@ impl Slot {
     /// Counts the connection as closed by a timeout (it is closed by
     /// whoever owns it; the slot is given back when this drops).
     pub fn conn_closed(&mut self, reason: Reason) {
-        if !self.conn.closed_counted.swap(true, Ordering::AcqRel) {
-            self.slots.metrics.closed(reason);
-        }
+        self.conn.count_closed(&self.slots.metrics, reason);
+    }
+
+    /// The listener's metrics.
+    pub fn metrics(&self) -> &ListenerMetrics {
+        &self.slots.metrics
     }
 }
 
