@@ -111,3 +111,37 @@ async fn over_tls_a_silent_client_is_closed_at_the_header_read_timeout_not_the_h
     assert!(matches!(end, Ok(0) | Err(_)), "{end:?}");
     assert!(started.elapsed() < Duration::from_millis(2500), "{:?}", started.elapsed());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_every_connection_busy_a_reserved_share_still_answers_probes() {
+    // 16 connections: 15 for everyone, 1 kept for probes.
+    let s = stack(limits(30, 60, 16)).await;
+    let head = b"POST /v1/grants HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{";
+    let mut busy = Vec::new();
+    for _ in 0..15 {
+        let mut c = tokio::net::TcpStream::connect(addr(&s.alloc.base)).await.expect("connect");
+        c.write_all(head).await.expect("head");
+        busy.push(c);
+    }
+    // Once their headers are read, all 15 have a request in progress (each
+    // waits for the rest of its body): a new connection gets the reserved
+    // slot, which serves probes only.
+    let client = fresh_client();
+    let other = format!("{}/v1/policies/atlas/read", s.alloc.base);
+    let r =
+        quota_tests::wait::until("a non-probe refused on the reserved slot", Duration::from_secs(5), || {
+            let (client, other) = (client.clone(), other.clone());
+            async move {
+                let r = client.get(&other).send().await.ok()?;
+                (r.status().as_u16() == 503).then_some(r)
+            }
+        })
+        .await;
+    assert_eq!(r.headers().get("connection").and_then(|v| v.to_str().ok()), Some("close"));
+    let body: serde_json::Value = r.json().await.expect("json");
+    assert_eq!(body["error"], json!("overloaded"));
+    for path in ["/healthz", "/readyz", "/healthz"] {
+        assert_eq!(probe(&client, &format!("{}{path}", s.alloc.base)).await, Some(200), "{path}");
+    }
+    assert_eq!(closed_count(&mut busy).await, 0, "busy connections are never evicted");
+}

@@ -148,6 +148,10 @@ async fn connection<IO, S, B>(
         }
         let deadline = conn.deadline(&limits);
         tokio::select! {
+            // The connection first: bytes that arrived while the process
+            // was paused (SIGSTOP, an overloaded host) are read before a
+            // deadline that passed meanwhile is looked at.
+            biased;
             r = served.as_mut() => {
                 if let Err(e) = r {
                     tracing::debug!(%peer, error = %e, "connection ended with an error");
