@@ -2,6 +2,7 @@
 
 use crate::tls::TlsFiles;
 use clap::Parser;
+use quota_shared::listen::{self, Limits};
 pub use quota_shared::telemetry::LogFormat;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -58,6 +59,26 @@ pub struct Config {
     #[arg(long, env = "ALLOCATOR_SHUTDOWN_TIMEOUT_SECS", default_value_t = 10)]
     pub shutdown_timeout_secs: u64,
 
+    /// Seconds a client has, from connecting (or from the first byte of its
+    /// next request on a kept-alive connection), to send a request's
+    /// headers (TLS handshakes count within it), and as long again for its
+    /// body once they are in. Slower clients are disconnected.
+    #[arg(long, env = "ALLOCATOR_HEADER_READ_TIMEOUT_SECS", default_value_t = listen::DEFAULT_HEADER_READ_TIMEOUT_SECS)]
+    pub header_read_timeout_secs: u64,
+
+    /// Seconds a kept-alive connection may wait for its next request
+    /// (longer than the agents' 90 s idle pool, so they close first).
+    #[arg(long, env = "ALLOCATOR_IDLE_TIMEOUT_SECS", default_value_t = listen::DEFAULT_IDLE_TIMEOUT_SECS)]
+    pub idle_timeout_secs: u64,
+
+    /// Most connections open at once. At the bound a new connection
+    /// evicts the longest-idle one; when all are busy a reserved share
+    /// (1/32, 1 to 64) serves /healthz and /readyz only, and beyond it new
+    /// connections are closed at once. Lowered at start to fit the
+    /// open-file limit.
+    #[arg(long, env = "ALLOCATOR_MAX_CONNECTIONS", default_value_t = 4096)]
+    pub max_connections: usize,
+
     /// Tests only: shifts this replica's own clock by this many
     /// milliseconds, to show that no window decision reads it (they read
     /// the database's clock).
@@ -106,6 +127,17 @@ fn path(p: &Option<PathBuf>) -> Option<PathBuf> {
 }
 
 impl Config {
+    /// The API listener's limits; a value out of range is an error naming
+    /// its flag.
+    pub fn limits(&self) -> Result<Limits, String> {
+        Limits::validate(
+            self.header_read_timeout_secs,
+            self.idle_timeout_secs,
+            self.max_connections,
+            ["--header-read-timeout-secs", "--idle-timeout-secs", "--max-connections"],
+        )
+    }
+
     /// `QUOTA_AGENT_TOKEN`, unless empty.
     pub fn agent_token(&self) -> Option<String> {
         non_empty(&self.agent_token)
@@ -133,5 +165,23 @@ impl Config {
             _ => Err("ALLOCATOR_TLS_CERT and ALLOCATOR_TLS_KEY must be set together (--tls-cert, --tls-key)"
                 .into()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn listener_limits_out_of_range_are_errors_naming_the_flag() {
+        for (flag, bad) in
+            [("--header-read-timeout-secs", "0"), ("--idle-timeout-secs", "3601"), ("--max-connections", "3")]
+        {
+            let c = Config::try_parse_from(["allocator", flag, bad]).expect("flags parse");
+            let e = c.limits().unwrap_err();
+            assert!(e.contains(flag), "{flag} {bad}: {e}");
+        }
+        let c = Config::try_parse_from(["allocator"]).expect("flags parse");
+        assert_eq!(c.limits().expect("defaults are valid").max_connections, 4096);
     }
 }

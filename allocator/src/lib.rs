@@ -75,6 +75,7 @@ pub mod window_metrics;
 pub mod windows;
 
 use quota_shared::clock::{Clock, OffsetClock, SystemClock};
+use quota_shared::listen::{nofile, Limits};
 use quota_shared::prom::Registry;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::PgPool;
@@ -160,20 +161,36 @@ pub async fn run(
     run_with_tls(listener, state, None, shutdown).await
 }
 
-/// [`run`], over TLS when `tls` is given. While serving, changed TLS files
-/// and a changed agent tokens file are reloaded (polled every second, and
-/// at once on SIGHUP).
+/// [`run`], over TLS when `tls` is given, with the default listener limits.
 pub async fn run_with_tls(
     listener: TcpListener,
     state: AppState,
     tls: Option<Arc<tls::ServerTls>>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
+    run_listening(listener, state, tls, Limits::default(), shutdown).await
+}
+
+/// [`run_with_tls`] within `limits` (header read and idle timeouts,
+/// connection bound; see `quota_shared::listen`). While serving, changed
+/// TLS files and a changed agent tokens file are reloaded (polled every
+/// second, and at once on SIGHUP).
+pub async fn run_listening(
+    listener: TcpListener,
+    state: AppState,
+    tls: Option<Arc<tls::ServerTls>>,
+    limits: Limits,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
     let reloader = tokio::spawn(reload_files(state.auth.regions.clone(), tls.clone()));
+    let metrics = http::metrics::listener(&state.metrics);
     let router = http::router(state);
     let served = match tls {
-        None => axum::serve(listener, router).with_graceful_shutdown(shutdown).await,
-        Some(tls) => tls::serve(listener, router, tls, shutdown).await,
+        None => {
+            let plain = move |tcp, _| std::future::ready(Some((tcp, router.clone())));
+            quota_shared::listen::http::serve(listener, limits, metrics, plain, shutdown).await
+        }
+        Some(tls) => tls::serve(listener, router, tls, limits, metrics, shutdown).await,
     };
     reloader.abort();
     served
@@ -240,8 +257,20 @@ pub async fn serve(config: config::Config) -> Result<(), String> {
     if !tokens.agent_configured() || tokens.admin.is_none() {
         tracing::warn!(%addr, "auth tokens not configured: routes without a token are open, loopback only");
     }
+    let mut limits = config.limits()?;
+    if let Some(n) = nofile::raise_and_log() {
+        let mut bound = [limits.max_connections];
+        if nofile::fit(&mut bound, n.soft) {
+            tracing::warn!(
+                soft = n.soft,
+                max_connections = bound[0],
+                "--max-connections lowered to fit the open-file limit"
+            );
+        }
+        limits.max_connections = bound[0];
+    }
     let db = connect(&database_url, config.db_max_connections).await?;
-    let listener = TcpListener::bind(addr).await.map_err(|e| format!("cannot listen on {addr}: {e}"))?;
+    let listener = quota_shared::listen::bind(addr).map_err(|e| format!("cannot listen on {addr}: {e}"))?;
     let mut state = AppState::new(db);
     state.auth = tokens;
     state.window_metrics_quotas = i64::from(config.window_metrics_quotas);
@@ -263,7 +292,7 @@ pub async fn serve(config: config::Config) -> Result<(), String> {
         mtls = config.tls_client_ca.is_some(), "allocator listening");
 
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let mut server = tokio::spawn(run_with_tls(listener, state.clone(), tls, async move {
+    let mut server = tokio::spawn(run_listening(listener, state.clone(), tls, limits, async move {
         let _ = stop_rx.await;
     }));
     let deadline = Duration::from_secs(config.shutdown_timeout_secs);

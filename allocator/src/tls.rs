@@ -18,28 +18,23 @@
 use crate::http::auth::ClientCert;
 use crate::reload::Watched;
 use axum::Router;
-use hyper::body::Incoming;
-use hyper_util::rt::{TokioIo, TokioTimer};
-use hyper_util::service::TowerToHyperService;
+use quota_shared::listen::http::TimedBody;
+use quota_shared::listen::{Limits, ListenerMetrics};
 use quota_shared::pem;
 use rustls::server::WebPkiClientVerifier;
 use rustls::ServerConfig;
 use rustls_pki_types::CertificateDer;
 use std::future::Future;
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
-use tokio::net::TcpListener;
-use tokio::sync::{mpsc, watch};
+use tokio::net::{TcpListener, TcpStream};
 use tokio_rustls::TlsAcceptor;
 use tower::ServiceExt;
 
 /// Longest a client may take to complete the TLS handshake.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
-
-/// Longest a client may take to send a request's headers on an open
-/// connection (a slow client cannot hold a connection forever).
-pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// The PEM files the server's TLS is built from.
 #[derive(Debug, Clone)]
@@ -160,54 +155,33 @@ pub fn regions_of(cert: &CertificateDer<'_>) -> Vec<String> {
         .collect()
 }
 
-/// Serves `router` over TLS on `listener` until `shutdown` resolves, then
-/// stops accepting, lets every open connection finish its in-flight request
-/// and returns when all are closed (the same contract as `axum::serve` with
-/// graceful shutdown).
+/// Serves `router` over TLS on `listener` until `shutdown` resolves, with
+/// the shared accept loop (`quota_shared::listen::http`): the same
+/// connection bound, header read and idle timeouts and graceful shutdown
+/// as plain HTTP. Each connection's handshake has [`HANDSHAKE_TIMEOUT`]
+/// (and counts within the header read timeout, whichever is shorter).
 pub async fn serve(
     listener: TcpListener,
     router: Router,
     tls: Arc<ServerTls>,
+    limits: Limits,
+    metrics: ListenerMetrics,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    // `stop` tells connections to finish; every connection task holds a
-    // clone of `done_tx`, so `done_rx` yields `None` once all have ended.
-    let (stop_tx, stop_rx) = watch::channel(false);
-    let (done_tx, mut done_rx) = mpsc::channel::<()>(1);
-    tokio::pin!(shutdown);
-    loop {
-        let (tcp, peer) = tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok(a) => a,
-                Err(e) => {
-                    // Out of file descriptors and the like: back off a little
-                    // instead of spinning, as axum::serve does.
-                    tracing::warn!(error = %e, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
-            _ = &mut shutdown => break,
-        };
+    let handshake = move |tcp: TcpStream, peer: SocketAddr| {
         let acceptor = TlsAcceptor::from(tls.config());
         let router = router.clone();
-        let mut stop = stop_rx.clone();
-        let done = done_tx.clone();
-        tokio::spawn(async move {
-            let _done = done;
-            let stream = tokio::select! {
-                r = tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)) => match r {
-                    Ok(Ok(s)) => s,
-                    Ok(Err(e)) => {
-                        tracing::debug!(%peer, error = %e, "TLS handshake failed");
-                        return;
-                    }
-                    Err(_) => {
-                        tracing::debug!(%peer, "TLS handshake timed out");
-                        return;
-                    }
-                },
-                _ = stop.changed() => return,
+        async move {
+            let stream = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
+                Ok(Ok(s)) => s,
+                Ok(Err(e)) => {
+                    tracing::debug!(%peer, error = %e, "TLS handshake failed");
+                    return None;
+                }
+                Err(_) => {
+                    tracing::debug!(%peer, "TLS handshake timed out");
+                    return None;
+                }
             };
             let client = stream
                 .get_ref()
@@ -215,32 +189,14 @@ pub async fn serve(
                 .peer_certificates()
                 .and_then(|c| c.first())
                 .map(|c| ClientCert { regions: regions_of(c) });
-            let svc = router.map_request(move |mut req: axum::http::Request<Incoming>| {
+            let svc = router.map_request(move |mut req: axum::http::Request<TimedBody>| {
                 if let Some(c) = &client {
                     req.extensions_mut().insert(c.clone());
                 }
                 req
             });
-            let conn = hyper::server::conn::http1::Builder::new()
-                .timer(TokioTimer::new())
-                .header_read_timeout(HEADER_READ_TIMEOUT)
-                .serve_connection(TokioIo::new(stream), TowerToHyperService::new(svc));
-            tokio::pin!(conn);
-            let result = tokio::select! {
-                r = conn.as_mut() => r,
-                _ = stop.changed() => {
-                    conn.as_mut().graceful_shutdown();
-                    conn.await
-                }
-            };
-            if let Err(e) = result {
-                tracing::debug!(%peer, error = %e, "connection ended with an error");
-            }
-        });
-    }
-    drop(listener);
-    let _ = stop_tx.send(true);
-    drop(done_tx);
-    let _ = done_rx.recv().await;
-    Ok(())
+            Some((stream, svc))
+        }
+    };
+    quota_shared::listen::http::serve(listener, limits, metrics, handshake, shutdown).await
 }

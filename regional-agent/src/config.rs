@@ -2,6 +2,7 @@
 
 use crate::client::TlsFiles;
 use clap::Parser;
+use quota_shared::listen::{self, Limits};
 pub use quota_shared::telemetry::LogFormat;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -83,6 +84,38 @@ pub struct Config {
     /// Envoy to add to the response.
     #[arg(long, env = "AGENT_RLS_HEADERS", default_value_t = false)]
     pub rls_headers: bool,
+
+    /// Seconds a client has, from connecting (or from the first byte of its
+    /// next request on a kept-alive connection), to send a request's
+    /// headers (and as long again for its body once they are in), on the
+    /// HTTP port; on the gRPC port, to send the HTTP/2 connection preface.
+    /// Slower clients are disconnected.
+    #[arg(long, env = "AGENT_HEADER_READ_TIMEOUT_SECS", default_value_t = listen::DEFAULT_HEADER_READ_TIMEOUT_SECS)]
+    pub header_read_timeout_secs: u64,
+
+    /// Seconds a connection may stay without a request (HTTP: between
+    /// kept-alive requests; gRPC: without receiving a byte) before it is
+    /// closed.
+    #[arg(long, env = "AGENT_IDLE_TIMEOUT_SECS", default_value_t = listen::DEFAULT_IDLE_TIMEOUT_SECS)]
+    pub idle_timeout_secs: u64,
+
+    /// Most connections open at once on the HTTP port. At the bound a new
+    /// connection evicts the longest-idle one; when all are busy a
+    /// reserved share (1/32, 1 to 64) serves /healthz and /readyz only, and
+    /// beyond it new connections are closed at once. Lowered at start (with
+    /// --grpc-max-connections) to fit the open-file limit.
+    #[arg(long, env = "AGENT_MAX_CONNECTIONS", default_value_t = 1024)]
+    pub max_connections: usize,
+
+    /// Most connections open at once on the gRPC port; beyond it new
+    /// connections are closed at once.
+    #[arg(long, env = "AGENT_GRPC_MAX_CONNECTIONS", default_value_t = 256)]
+    pub grpc_max_connections: usize,
+
+    /// Most concurrent HTTP/2 streams (RLS calls) per gRPC connection
+    /// (advertised as SETTINGS_MAX_CONCURRENT_STREAMS and enforced).
+    #[arg(long, env = "AGENT_GRPC_MAX_STREAMS_PER_CONNECTION", default_value_t = 1024)]
+    pub grpc_max_streams_per_connection: u32,
 
     /// Address to serve the agent API on.
     #[arg(long, env = "AGENT_LISTEN", default_value = "127.0.0.1:7171")]
@@ -189,6 +222,12 @@ pub struct Settings {
     pub key_layout: crate::keys::Layout,
     pub grpc_listen: Option<SocketAddr>,
     pub rls: RlsMapping,
+    /// The HTTP port's limits.
+    pub http_limits: Limits,
+    /// The gRPC port's (the same timeouts, its own bound).
+    pub grpc_limits: Limits,
+    /// Concurrent streams per gRPC connection.
+    pub grpc_max_streams: u32,
     pub agent_token: Option<String>,
     pub local_fallback_per_agent: i64,
     pub renew_ahead: Duration,
@@ -270,7 +309,22 @@ fn path(p: &Option<PathBuf>) -> Option<PathBuf> {
     p.clone().filter(|p| !p.as_os_str().is_empty())
 }
 
+/// Largest `--grpc-max-streams-per-connection`.
+const MAX_STREAMS: u32 = 65_536;
+
 impl Config {
+    /// Both ports' limits; a value out of range is an error naming its flag.
+    fn limits(&self) -> Result<(Limits, Limits), String> {
+        let http = Limits::validate(
+            self.header_read_timeout_secs,
+            self.idle_timeout_secs,
+            self.max_connections,
+            ["--header-read-timeout-secs", "--idle-timeout-secs", "--max-connections"],
+        )?;
+        let grpc = listen::connections(self.grpc_max_connections, "--grpc-max-connections")?;
+        Ok((http, Limits { max_connections: grpc, ..http }))
+    }
+
     /// The allocator link's TLS files; a certificate without its key (or
     /// the reverse) is an error naming both settings.
     fn allocator_tls(&self) -> Result<TlsFiles, String> {
@@ -370,7 +424,17 @@ impl Config {
         if self.local_fallback_per_agent < 0 {
             return Err("--local-fallback-per-agent must be >= 0".into());
         }
+        let (http_limits, grpc_limits) = self.limits()?;
+        if !(1..=MAX_STREAMS).contains(&self.grpc_max_streams_per_connection) {
+            return Err(format!(
+                "--grpc-max-streams-per-connection must be between 1 and {MAX_STREAMS}, got {}",
+                self.grpc_max_streams_per_connection
+            ));
+        }
         Ok(Settings {
+            http_limits,
+            grpc_limits,
+            grpc_max_streams: self.grpc_max_streams_per_connection,
             region,
             agent,
             allocator,
@@ -503,6 +567,28 @@ mod tests {
     fn a_redis_client_certificate_needs_its_key() {
         let e = config(&["--redis", "rediss://a:1", "--redis-client-cert", "/c.pem"]).settings().unwrap_err();
         assert!(e.contains("AGENT_REDIS_CLIENT_KEY"), "{e}");
+    }
+
+    #[test]
+    fn listener_limits_out_of_range_are_errors_naming_the_flag() {
+        let base = ["--redis", "redis://a:1"];
+        for (flag, bad) in [
+            ("--header-read-timeout-secs", "0"),
+            ("--idle-timeout-secs", "0"),
+            ("--idle-timeout-secs", "3601"),
+            ("--max-connections", "2"),
+            ("--grpc-max-connections", "0"),
+            ("--grpc-max-streams-per-connection", "0"),
+        ] {
+            let mut args = base.to_vec();
+            args.extend([flag, bad]);
+            let e = config(&args).settings().unwrap_err();
+            assert!(e.contains(flag), "{flag} {bad}: {e}");
+        }
+        let s = config(&base).settings().expect("defaults are valid");
+        assert_eq!(s.http_limits.max_connections, 1024);
+        assert_eq!(s.grpc_limits.max_connections, 256);
+        assert_eq!(s.grpc_limits.header_read_timeout, s.http_limits.header_read_timeout);
     }
 
     #[test]

@@ -59,6 +59,8 @@
 //! * [`health`]: `/v1/status`, `/healthz`, `/readyz`, `/metrics`.
 //! * [`status_report`]: the status sent to the allocator's fleet pages,
 //!   with [`fleet_counts`] (its 429/503 counts per quota and window).
+//! * [`grpc_conn`]: the gRPC port's connections within the listener limits
+//!   (the HTTP port's are in `quota_shared::listen`).
 //! * [`rls`]: Envoy's rate limit service (gRPC RLS v3) and the gRPC health
 //!   service, on `--grpc-listen`: descriptors decided as one acquire.
 //! * [`error`]: the one error enum and its mapping to HTTP.
@@ -199,6 +201,15 @@
 //!   around the circuit breaker, so this call never changes how it admits.
 //! * The agent's own endpoints have no authentication (it is a sidecar);
 //!   it warns when listening on a non-loopback address.
+//! * **Listener limits** (both ports): a header read timeout, an idle
+//!   timeout and a connection bound each (`--header-read-timeout-secs`,
+//!   `--idle-timeout-secs`, `--max-connections`, `--grpc-max-connections`,
+//!   `--grpc-max-streams-per-connection`), fitted at start under the
+//!   open-file limit, which is raised to the hard limit. At the HTTP bound
+//!   the longest-idle connection is evicted, and a reserved share serves
+//!   only probes while every connection is busy, so `/healthz` and
+//!   `/readyz` stay answerable (`quota_shared::listen`, docs/deploying.md
+//!   "Listener limits").
 
 pub mod acquire;
 pub mod app;
@@ -211,6 +222,7 @@ pub mod error;
 pub mod fallback;
 pub mod fleet_counts;
 pub mod gauges;
+pub mod grpc_conn;
 pub mod guard;
 pub mod headers;
 pub mod health;
@@ -236,7 +248,8 @@ use crate::status_report::Reporter;
 use axum::extract::{DefaultBodyLimit, MatchedPath, Request};
 use axum::response::Response;
 use axum::Router;
-use std::future::{Future, IntoFuture};
+use quota_shared::listen::{nofile, ListenerMetrics};
+use std::future::Future;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
@@ -254,6 +267,17 @@ pub fn describe_metrics(m: &quota_shared::prom::Registry) {
     gauges::describe(m);
     status_report::describe(m);
     rls::describe(m);
+    ListenerMetrics::describe(m, LISTENER_OPEN, LISTENER_CLOSED, &["http", "grpc"]);
+}
+
+/// Gauge of open connections per listener (`http`, `grpc`).
+pub const LISTENER_OPEN: &str = "agent_listener_connections";
+/// Counter of connections a listener refused or closed, by reason.
+pub const LISTENER_CLOSED: &str = "agent_listener_closed_total";
+
+/// Where the listener named `listener` counts its connections.
+pub fn listener_metrics(app: &AppState, listener: &'static str) -> ListenerMetrics {
+    ListenerMetrics { registry: app.metrics.clone(), open: LISTENER_OPEN, closed: LISTENER_CLOSED, listener }
 }
 
 /// The agent's router; every request runs in a span (see [`request_span`]).
@@ -407,13 +431,17 @@ pub async fn run(
         let at = stopping_at.clone();
         move || *at.get_or_init(|| tokio::time::Instant::now() + SHUTDOWN_REQUESTS)
     };
-    let mut server = tokio::spawn(
-        axum::serve(listener, router(app.clone()))
-            .with_graceful_shutdown(async move {
-                let _ = stop_rx.await;
-            })
-            .into_future(),
-    );
+    let routes = router(app.clone());
+    let plain = move |tcp, _| std::future::ready(Some((tcp, routes.clone())));
+    let mut server = tokio::spawn(quota_shared::listen::http::serve(
+        listener,
+        app.settings.http_limits,
+        listener_metrics(&app, "http"),
+        plain,
+        async move {
+            let _ = stop_rx.await;
+        },
+    ));
     let served = tokio::select! {
         r = &mut server => r,
         _ = shutdown => {
@@ -463,6 +491,29 @@ pub async fn run(
     }
 }
 
+/// Raises the open-file limit to the hard limit and lowers the connection
+/// bounds (HTTP, and gRPC when served) to fit under it.
+fn fit_open_files(settings: &mut config::Settings) {
+    let Some(n) = nofile::raise_and_log() else { return };
+    let grpc = settings.grpc_listen.is_some();
+    let mut bounds = vec![settings.http_limits.max_connections];
+    if grpc {
+        bounds.push(settings.grpc_limits.max_connections);
+    }
+    if nofile::fit(&mut bounds, n.soft) {
+        tracing::warn!(
+            soft = n.soft,
+            max_connections = bounds[0],
+            grpc_max_connections = bounds.get(1).copied(),
+            "connection bounds lowered to fit the open-file limit"
+        );
+    }
+    settings.http_limits.max_connections = bounds[0];
+    if grpc {
+        settings.grpc_limits.max_connections = bounds[1];
+    }
+}
+
 /// Awaits every task (no extra dependency for `join_all`).
 async fn futures_join_all(tasks: Vec<JoinHandle<()>>) {
     for t in tasks {
@@ -472,7 +523,8 @@ async fn futures_join_all(tasks: Vec<JoinHandle<()>>) {
 
 /// What the binary does: validate, connect, serve until a signal arrives.
 pub async fn serve(config: config::Config) -> Result<(), String> {
-    let settings = config.settings()?;
+    let mut settings = config.settings()?;
+    fit_open_files(&mut settings);
     let addr = config.listen;
     if !addr.ip().is_loopback() {
         tracing::warn!(%addr, "the agent API has no authentication; expose it only to the application");
@@ -482,11 +534,10 @@ pub async fn serve(config: config::Config) -> Result<(), String> {
     }
     let app = App::new(settings).await?;
     describe_metrics(&app.metrics);
-    let listener = TcpListener::bind(addr).await.map_err(|e| format!("cannot listen on {addr}: {e}"))?;
+    let listener = quota_shared::listen::bind(addr).map_err(|e| format!("cannot listen on {addr}: {e}"))?;
     let grpc = match app.settings.grpc_listen {
         Some(g) => {
-            let l = TcpListener::bind(g)
-                .await
+            let l = quota_shared::listen::bind(g)
                 .map_err(|e| format!("cannot listen on {g} (--grpc-listen): {e}"))?;
             tracing::info!(addr = %l.local_addr().map_err(|e| e.to_string())?, "Envoy rate limit service (gRPC) listening");
             Some(l)

@@ -505,13 +505,18 @@ pub async fn serve(app: AppState, mapping: Mapping, listener: TcpListener, stop:
             }
         }
     });
-    // Without TCP_NODELAY a small answer waits for the client's delayed ACK
-    // (40 ms on Linux): measured as a 42 ms p99 at 16 streams.
-    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+    // The connection bound, the preface (header) and idle timeouts are in
+    // the accepted streams (`crate::grpc_conn`, TCP_NODELAY set there); the
+    // streams per connection are advertised to the client (it queues
+    // instead of being reset) and enforced.
+    let streams = app.settings.grpc_max_streams;
+    let incoming =
+        crate::grpc_conn::incoming(listener, app.settings.grpc_limits, crate::listener_metrics(&app, "grpc"));
     let served = tonic::transport::Server::builder()
         .layer(tower::util::MapResponseLayer::new(undecodable_is_invalid_argument::<tonic::body::Body>))
         .timeout(Duration::from_secs(10))
-        .concurrency_limit_per_connection(1024)
+        .max_concurrent_streams(streams)
+        .concurrency_limit_per_connection(streams as usize)
         .add_service(health)
         .add_service(rls)
         .serve_with_incoming_shutdown(incoming, stop.cancelled_owned())

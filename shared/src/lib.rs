@@ -12,14 +12,20 @@
 //! * `openapi` (feature `service`): what both OpenAPI documents share.
 //! * `pem` (feature `tls`): certificates and keys read from PEM files, with
 //!   errors that name the setting and the file, never the file's contents.
+//! * `listen` (feature `listen`): the listeners' limits (header and idle
+//!   timeouts, connection bound with probes kept answerable, open-file
+//!   limit) and the HTTP/1 accept loop both services serve with.
 //! * `telemetry` (feature `service`): logging set-up and the shutdown signal.
 //!
-//! Nothing here depends on axum, sqlx or redis, so the agent and the allocator
+//! Nothing here depends on axum, sqlx or redis (`listen` speaks hyper), so the agent and
+//! the allocator
 //! can share it without sharing a runtime.
 
 pub mod bound;
 pub mod clock;
 pub mod ids;
+#[cfg(feature = "listen")]
+pub mod listen;
 #[cfg(feature = "service")]
 pub mod openapi;
 #[cfg(feature = "tls")]

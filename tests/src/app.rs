@@ -38,6 +38,9 @@ pub struct Options {
     pub tls: Option<allocator::tls::TlsFiles>,
     /// `--window-metrics-quotas` (default 20).
     pub window_metrics_quotas: Option<i64>,
+    /// Listener limits (`--header-read-timeout-secs`, `--idle-timeout-secs`,
+    /// `--max-connections`; default: the flags' defaults).
+    pub limits: Option<quota_shared::listen::Limits>,
 }
 
 impl TestAllocator {
@@ -66,7 +69,7 @@ impl TestAllocator {
         state.auth =
             allocator::http::auth::Tokens { agent: opts.agent_token, admin: opts.admin_token, regions };
         let tls = opts.tls.map(|f| allocator::tls::ServerTls::load(f).expect("TLS files"));
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let listener = quota_shared::listen::bind(([127, 0, 0, 1], 0).into()).expect("bind");
         let addr = listener.local_addr().expect("addr");
         // Certificates name `localhost`; the listener is on loopback either way.
         let base = match tls {
@@ -74,7 +77,8 @@ impl TestAllocator {
             None => format!("http://{addr}"),
         };
         let (tx, rx) = oneshot::channel();
-        let task = tokio::spawn(allocator::run_with_tls(listener, state.clone(), tls, async move {
+        let limits = opts.limits.unwrap_or_default();
+        let task = tokio::spawn(allocator::run_listening(listener, state.clone(), tls, limits, async move {
             let _ = rx.await;
         }));
         TestAllocator { base, state, shutdown: Some(tx), task: Some(task) }

@@ -20,6 +20,7 @@
 //!   wait ready, stop, restart on the same port).
 //! * [`agent`]: the `regional-agent` binary as a real process.
 //! * [`http`]: a JSON client that returns status, headers and body.
+//! * [`listeners`]: slow, idle and crowding clients for the listener limits.
 //! * [`fixtures`]: allocator API helpers (policy, register, grant, pool rows).
 //! * [`wait`]: polling a condition with a deadline instead of sleeping.
 //! * [`clock`]: one shifted clock for the allocator and the agents of a
@@ -35,6 +36,7 @@ pub mod clock;
 pub mod envoy;
 pub mod fixtures;
 pub mod http;
+pub mod listeners;
 pub mod pg;
 pub mod procs;
 pub mod promtool;

@@ -4,7 +4,9 @@ use crate::AppState;
 use axum::extract::{MatchedPath, Request, State};
 use axum::middleware::Next;
 use axum::response::Response;
+use quota_shared::listen::ListenerMetrics;
 use quota_shared::prom::Registry;
+use std::sync::Arc;
 use std::time::Instant;
 
 /// A registry with the allocator's families described.
@@ -22,7 +24,23 @@ pub fn registry() -> Registry {
     );
     r.describe("allocator_db_connections", "gauge", "PostgreSQL pool connections by state (open, idle)");
     crate::window_metrics::describe(&r);
+    ListenerMetrics::describe(&r, LISTENER_OPEN, LISTENER_CLOSED, &["http"]);
     r
+}
+
+/// Gauge of open connections on the API listener.
+pub const LISTENER_OPEN: &str = "allocator_listener_connections";
+/// Counter of connections the listener refused or closed, by reason.
+pub const LISTENER_CLOSED: &str = "allocator_listener_closed_total";
+
+/// Where the API listener (plain or TLS) counts its connections.
+pub fn listener(registry: &Arc<Registry>) -> ListenerMetrics {
+    ListenerMetrics {
+        registry: registry.clone(),
+        open: LISTENER_OPEN,
+        closed: LISTENER_CLOSED,
+        listener: "http",
+    }
 }
 
 /// Middleware recording every request.
