@@ -143,7 +143,10 @@ pub fn body(r: &BenchReport) -> String {
     );
     let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|");
     for c in super::acquire::CLIENTS {
-        let ratio = match (r.get(&format!("rls.c{c}.decisions_per_s")), r.get(&format!("acquire.c{c}.decisions_per_s"))) {
+        let ratio = match (
+            r.get(&format!("rls.c{c}.decisions_per_s")),
+            r.get(&format!("acquire.c{c}.decisions_per_s")),
+        ) {
             (Some(g), Some(h)) if h > 0.0 => format!("{:.2}", g / h),
             _ => "–".into(),
         };
