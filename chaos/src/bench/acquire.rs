@@ -265,6 +265,7 @@ pub async fn run(rig: &Rig, plan: &Plan, out: &mut Results, progress: &dyn Fn(&s
     }
     let grpc = format!("127.0.0.1:{}", quota_tests::free_port());
     let agent = rig.agent_as("eu", &redis.url, vec![("AGENT_GRPC_LISTEN".into(), grpc.clone())]).await;
+    let agent_pid = agent.pid().ok_or("the bench agent has no process id")?;
     let rls_channel = rls_channel(&grpc).await?;
     let rls = RlsClient::new(rls_channel.clone());
     let http = client(CALL_TIMEOUT)?;
@@ -309,15 +310,25 @@ pub async fn run(rig: &Rig, plan: &Plan, out: &mut Results, progress: &dyn Fn(&s
         let mut stages: Vec<Stages> = Vec::new();
         let (mut per_key_s, mut two_s): (Vec<Sample>, Vec<Sample>) = (Vec::new(), Vec::new());
         let (mut rls_s, mut grpc_floor_s): (Vec<Sample>, Vec<Sample>) = (Vec::new(), Vec::new());
+        let (mut cpu_http, mut cpu_rls): (Vec<f64>, Vec<f64>) = (Vec::new(), Vec::new());
         for rep in 0..plan.reps {
             progress(&format!("acquire: {c} client(s), repetition {}/{}", rep + 1, plan.reps));
             let before = StageSums::read(&http, &agent.base).await?;
+            let cpu0 = super::machine::cpu_us(agent_pid);
             let a = closed_loop(c, plan.acquire, acquire_op(http.clone(), &agent.base)).await?;
+            if let (Some(b), Some(e)) = (cpu0, super::machine::cpu_us(agent_pid)) {
+                cpu_http.push((e - b) / a.ok.max(1) as f64);
+            }
             let stage = StageSums::read(&http, &agent.base).await?.since(&before, a.mean_ms);
             stages.push(stage);
             let l = closed_loop(c, plan.acquire, spend_op(store.clone(), args.clone())).await?;
             let f = closed_loop(c, plan.acquire, healthz_op(http.clone(), &agent.base)).await?;
-            rls_s.push(closed_loop(c, plan.acquire, rls_op(rls.clone())).await?);
+            let cpu0 = super::machine::cpu_us(agent_pid);
+            let g = closed_loop(c, plan.acquire, rls_op(rls.clone())).await?;
+            if let (Some(b), Some(e)) = (cpu0, super::machine::cpu_us(agent_pid)) {
+                cpu_rls.push((e - b) / g.ok.max(1) as f64);
+            }
+            rls_s.push(g);
             grpc_floor_s.push(closed_loop(c, plan.acquire, grpc_floor_op(rls_channel.clone())).await?);
             if c == PER_KEY_CLIENTS {
                 per_key_s.push(closed_loop(c, plan.acquire, per_key_op.clone()).await?);
@@ -363,6 +374,8 @@ pub async fn run(rig: &Rig, plan: &Plan, out: &mut Results, progress: &dyn Fn(&s
             }
         }
         Medians::of(&rls_s).put(out, &format!("rls.c{c}"), "decisions_per_s", &format!("rls c{c}"));
+        out.set(&k("agent_cpu_us_per_decision"), super::hist::median(&cpu_http));
+        out.set(&format!("rls.c{c}.agent_cpu_us_per_decision"), super::hist::median(&cpu_rls));
         let floor = Medians::of(&grpc_floor_s);
         floor.put(out, &format!("rls.c{c}.grpc_floor"), "per_s", &format!("grpc floor c{c}"));
         if !lim_s.is_empty() {

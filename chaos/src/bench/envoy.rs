@@ -146,18 +146,6 @@ fn get_op(client: reqwest::Client, url: String) -> Op {
     })
 }
 
-/// CPU time (user + system) of process `pid` so far, in µs.
-fn cpu_us(pid: u32) -> Option<f64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // Fields after the command name (which may hold spaces) start at ") ".
-    let rest = &stat[stat.rfind(") ")? + 2..];
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    let ticks: f64 = f.get(11)?.parse::<f64>().ok()? + f.get(12)?.parse::<f64>().ok()?;
-    // SAFETY: sysconf has no preconditions.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
-    Some(ticks / hz * 1e6)
-}
-
 /// Runs the Envoy measurements; without an Envoy (none found and none
 /// installable), a note says so and nothing is measured.
 pub async fn run(rig: &Rig, plan: &Plan, out: &mut Results, progress: &dyn Fn(&str)) -> Result<(), String> {
@@ -193,9 +181,9 @@ pub async fn run(rig: &Rig, plan: &Plan, out: &mut Results, progress: &dyn Fn(&s
     let (mut with_s, mut without_s, mut cpu): (Vec<Sample>, Vec<Sample>, Vec<f64>) = (vec![], vec![], vec![]);
     for rep in 0..plan.reps {
         progress(&format!("envoy: {c} connections, repetition {}/{}", rep + 1, plan.reps));
-        let before = cpu_us(pid);
+        let before = super::machine::cpu_us(pid);
         let w = closed_loop(c, plan.acquire, limited.clone()).await?;
-        if let (Some(b), Some(a)) = (before, cpu_us(pid)) {
+        if let (Some(b), Some(a)) = (before, super::machine::cpu_us(pid)) {
             cpu.push((a - b) / (w.ok.max(1) as f64));
         }
         with_s.push(w);

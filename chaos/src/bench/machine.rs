@@ -53,3 +53,17 @@ pub fn rss_mb(pid: u32) -> Result<f64, String> {
         .map(|kb| kb / 1024.0)
         .ok_or_else(|| format!("{path}: no VmRSS line"))
 }
+
+/// CPU time (user + system) of process `pid` so far, in µs
+/// (`/proc/<pid>/stat`, clock ticks of usually 10 ms: measure over runs
+/// of a second or more).
+pub fn cpu_us(pid: u32) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The fields after the command name (which may hold spaces) start at ") ".
+    let rest = &stat[stat.rfind(") ")? + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: f64 = f.get(11)?.parse::<f64>().ok()? + f.get(12)?.parse::<f64>().ok()?;
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    Some(ticks / hz * 1e6)
+}

@@ -139,9 +139,9 @@ pub fn body(r: &BenchReport) -> String {
     );
     let _ = writeln!(
         s,
-        "| streams | RLS decisions/s | RLS p50 ms | RLS p99 ms | gRPC floor (Health/Check) /s | gRPC floor p99 ms | HTTP acquire decisions/s | HTTP p99 ms | RLS / HTTP |"
+        "| streams | RLS decisions/s | RLS p50 ms | RLS p99 ms | gRPC floor (Health/Check) /s | gRPC floor p99 ms | HTTP acquire decisions/s | HTTP p99 ms | RLS / HTTP | agent CPU µs per decision, RLS / HTTP |"
     );
-    let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|");
+    let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|---|");
     for c in super::acquire::CLIENTS {
         let ratio = match (
             r.get(&format!("rls.c{c}.decisions_per_s")),
@@ -152,7 +152,7 @@ pub fn body(r: &BenchReport) -> String {
         };
         let _ = writeln!(
             s,
-            "| {c} | {} | {} | {} | {} | {} | {} | {} | {ratio} |",
+            "| {c} | {} | {} | {} | {} | {} | {} | {} | {ratio} | {} / {} |",
             v(r, &format!("rls.c{c}.decisions_per_s")),
             v(r, &format!("rls.c{c}.p50_ms")),
             v(r, &format!("rls.c{c}.p99_ms")),
@@ -160,6 +160,8 @@ pub fn body(r: &BenchReport) -> String {
             v(r, &format!("rls.c{c}.grpc_floor.p99_ms")),
             v(r, &format!("acquire.c{c}.decisions_per_s")),
             v(r, &format!("acquire.c{c}.p99_ms")),
+            v(r, &format!("rls.c{c}.agent_cpu_us_per_decision")),
+            v(r, &format!("acquire.c{c}.agent_cpu_us_per_decision")),
         );
     }
 
