@@ -46,7 +46,9 @@ pub struct DemoArgs {
     /// How long traffic runs, in seconds (the summary follows).
     #[arg(long, default_value_t = 90, value_parser = clap::value_parser!(u64).range(10..=3600))]
     pub duration: u64,
-    /// Where the SVG chart is written (default `target/demo/windows.svg`).
+    /// Where the SVG chart is written (default `target/demo/windows.svg`;
+    /// with --envoy one per quota beside it: `windows-catalog.svg`,
+    /// `windows-search.svg`).
     #[arg(long)]
     pub chart: Option<std::path::PathBuf>,
     /// When PostgreSQL or redis-server is missing, install it with apt-get
