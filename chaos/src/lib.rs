@@ -19,6 +19,8 @@
 //! * [`chart`]: the same rows as an SVG chart.
 //! * [`scenarios`]: the chaos scenarios and their verdicts.
 //! * [`demo`]: the one-command demo.
+//! * [`envoy_front`], [`envoy_traffic`]: the demo through Envoy (`--envoy`): the Envoys and
+//!   their upstream, and what the clients send them and read from their answers.
 //! * [`bench`]: the benchmarks.
 
 pub mod accounts;
@@ -26,6 +28,9 @@ pub mod bench;
 pub mod bins;
 pub mod chart;
 pub mod demo;
+mod demo_table;
+pub mod envoy_front;
+pub mod envoy_traffic;
 pub mod figures;
 pub mod install;
 pub mod pg_conn;

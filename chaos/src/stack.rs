@@ -19,6 +19,10 @@
 //! forward TCP, so they carry the TLS bytes unchanged. Sentinel regions
 //! stay plain.
 //!
+//! With `rls` ([`Stack::start_with`]) every agent also serves Envoy's rate
+//! limit service (`--grpc-listen`) on a free loopback port ([`rls_addr`]),
+//! for the Envoys of `cargo lab demo --envoy`.
+//!
 //! Everything started here stops when the [`Stack`] is dropped: processes
 //! are killed, data directories removed.
 
@@ -91,7 +95,7 @@ pub struct Stack {
 impl Stack {
     /// Starts everything in `spec`; `progress` is told about each step.
     pub async fn start(bins: Bins, spec: &StackSpec, progress: &dyn Fn(&str)) -> Result<Stack, String> {
-        Self::start_inner(bins, spec, None, progress).await
+        Self::start_with(bins, spec, None, false, progress).await
     }
 
     /// Starts everything in `spec` with every agent link over TLS (see the
@@ -102,13 +106,17 @@ impl Stack {
         tls: LabTls,
         progress: &dyn Fn(&str),
     ) -> Result<Stack, String> {
-        Self::start_inner(bins, spec, Some(tls), progress).await
+        Self::start_with(bins, spec, Some(tls), false, progress).await
     }
 
-    async fn start_inner(
+    /// Starts everything in `spec`, every agent link over TLS when `tls`
+    /// is given, and with `rls` every agent also serving Envoy's rate limit
+    /// service on a free loopback port of its own ([`rls_addr`]).
+    pub async fn start_with(
         bins: Bins,
         spec: &StackSpec,
         tls: Option<LabTls>,
+        rls: bool,
         progress: &dyn Fn(&str),
     ) -> Result<Stack, String> {
         let scheme = if tls.is_some() { "https" } else { "http" };
@@ -187,6 +195,10 @@ impl Stack {
                 }
                 opts.env.push(("AGENT_REDIS_PREFIX".into(), redis.prefix.clone()));
                 opts.env.extend(spec.agent_env.iter().cloned());
+                if rls {
+                    let addr = format!("127.0.0.1:{}", quota_tests::free_port());
+                    opts.env.push((RLS_LISTEN_ENV.into(), addr));
+                }
                 agents.push(AgentProc::spawn(&bins.agent, opts).await);
             }
             regions.push(Region { name: name.clone(), redis, redis_link, alloc_link, agents, sentinel });
@@ -229,6 +241,15 @@ impl Stack {
             a.kill(libc::SIGTERM);
         }
     }
+}
+
+/// The agent's flag of Envoy's rate limit service (`--grpc-listen`).
+const RLS_LISTEN_ENV: &str = "AGENT_GRPC_LISTEN";
+
+/// Where `agent` serves Envoy's rate limit service, when it was started
+/// with it ([`Stack::start_with`]).
+pub fn rls_addr(agent: &AgentProc) -> Option<&str> {
+    agent.opts.env.iter().rev().find(|(k, _)| k == RLS_LISTEN_ENV).map(|(_, v)| v.as_str())
 }
 
 /// `host:port` of a `postgres://user@host:port/db` URL.

@@ -4,6 +4,11 @@
 //!
 //! A request whose answer never arrived (connection reset, timeout) is
 //! counted as `ambiguous`: the agent may or may not have admitted it.
+//!
+//! The clients either call the agents' `POST /v1/acquire` ([`Traffic::start`])
+//! or send plain HTTP requests to Envoys in front of the agents
+//! ([`Traffic::start_envoy`], what they send and how an Envoy answer is
+//! read: [`crate::envoy_traffic`]).
 
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -77,13 +82,14 @@ pub struct Answer {
 #[derive(Debug, Clone)]
 pub struct RegionLoad {
     pub region: String,
+    /// The agents' base URLs (for Envoy traffic, the Envoys' in front of them).
     pub agents: Vec<String>,
     pub rate_per_sec: f64,
 }
 
 /// Running traffic; stops when dropped or by [`Traffic::stop`].
 pub struct Traffic {
-    tally: Arc<Mutex<Tally>>,
+    tally: Arc<Mutex<Tallies>>,
     answers: Arc<Mutex<Vec<Answer>>>,
     rates: BTreeMap<String, Arc<AtomicU64>>,
     stop: watch::Sender<bool>,
@@ -96,10 +102,41 @@ const CLIENTS: usize = 8;
 /// A client gives up on an answer after this long.
 const CLIENT_TIMEOUT: Duration = Duration::from_secs(3);
 
+/// What the clients saw: per request, and per quota a request spends
+/// (only Envoy traffic, whose routes spend several quotas, fills `quotas`).
+#[derive(Default)]
+struct Tallies {
+    requests: Tally,
+    quotas: BTreeMap<String, Tally>,
+}
+
+/// What a client request is.
+#[derive(Clone)]
+enum Call {
+    /// `POST /v1/acquire` with this body.
+    Acquire(serde_json::Value),
+    /// A request to an Envoy (a route and a user drawn per request); the
+    /// window length places its admits ([`crate::envoy_traffic::admit_window`]).
+    Envoy { window_secs: i64 },
+}
+
 impl Traffic {
     /// Starts clients for every region in `loads` on quota `tenant/resource`.
     pub fn start(tenant: &str, resource: &str, loads: &[RegionLoad]) -> Traffic {
-        let tally = Arc::new(Mutex::new(Tally::new()));
+        let body = serde_json::json!({"tenant": tenant, "resource": resource});
+        Self::start_calls(Call::Acquire(body), loads, |a| format!("{a}/v1/acquire"))
+    }
+
+    /// Starts clients for every region in `loads` whose `agents` are Envoy
+    /// URLs: each request a route of the Envoy example with a user, drawn
+    /// by [`crate::envoy_traffic::pick`]. [`Traffic::tally`] counts
+    /// requests, [`Traffic::tally_of`] each quota the routes spend.
+    pub fn start_envoy(loads: &[RegionLoad], window_secs: i64) -> Traffic {
+        Self::start_calls(Call::Envoy { window_secs }, loads, |e| e.to_string())
+    }
+
+    fn start_calls(call: Call, loads: &[RegionLoad], url: impl Fn(&str) -> String) -> Traffic {
+        let tally = Arc::new(Mutex::new(Tallies::default()));
         let answers = Arc::new(Mutex::new(Vec::new()));
         let (stop, _) = watch::channel(false);
         let mut tasks = JoinSet::new();
@@ -116,8 +153,8 @@ impl Traffic {
                 let ctx = ClientCtx {
                     client: client.clone(),
                     region: load.region.clone(),
-                    urls: load.agents.iter().map(|a| format!("{a}/v1/acquire")).collect(),
-                    body: serde_json::json!({"tenant": tenant, "resource": resource}),
+                    urls: load.agents.iter().map(|a| url(a)).collect(),
+                    call: call.clone(),
                     rate: rate.clone(),
                     tally: tally.clone(),
                     answers: answers.clone(),
@@ -143,16 +180,28 @@ impl Traffic {
         }
     }
 
-    /// A copy of the counts so far.
+    /// A copy of the counts so far, per request.
     pub fn tally(&self) -> Tally {
-        self.tally.lock().map(|t| t.clone()).unwrap_or_default()
+        self.tally.lock().map(|t| t.requests.clone()).unwrap_or_default()
+    }
+
+    /// A copy of the counts so far of quota `resource` (of the requests
+    /// that spend it); for acquire traffic, of its one quota.
+    pub fn tally_of(&self, resource: &str) -> Tally {
+        let Ok(t) = self.tally.lock() else { return Tally::new() };
+        t.quotas.get(resource).unwrap_or(&t.requests).clone()
     }
 
     /// Stops every client and waits for in-flight requests to end.
     pub async fn stop(mut self) -> Tally {
+        self.halt().await;
+        self.tally()
+    }
+
+    /// [`Traffic::stop`], keeping the counts readable ([`Traffic::tally_of`]).
+    pub async fn halt(&mut self) {
         self.stop.send_replace(true);
         while self.tasks.join_next().await.is_some() {}
-        self.tally()
     }
 }
 
@@ -160,19 +209,29 @@ struct ClientCtx {
     client: reqwest::Client,
     region: String,
     urls: Vec<String>,
-    body: serde_json::Value,
+    call: Call,
     rate: Arc<AtomicU64>,
-    tally: Arc<Mutex<Tally>>,
+    tally: Arc<Mutex<Tallies>>,
     answers: Arc<Mutex<Vec<Answer>>>,
     offset: usize,
 }
 
-enum Seen {
+/// What one answer means for the tally.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Seen {
+    /// Admitted into the window starting then (Unix seconds): from a
+    /// lease, or through Envoy, whose answer does not say the source.
     Lease(i64),
+    /// Admitted from the fallback allowance into that window.
     Fallback(i64),
+    /// 429.
     Denied,
+    /// 503, or through Envoy any 5xx (500 when the agent cannot decide and
+    /// `failure_mode_deny` is set): nothing was charged.
     Unavailable,
+    /// No answer, or one that says nothing certain.
     Ambiguous,
+    /// The connection was refused.
     Refused,
 }
 
@@ -215,19 +274,33 @@ impl ClientCtx {
             n += 1;
             let url = &self.urls[n % self.urls.len()];
             let sent_ms = chrono::Utc::now().timestamp_millis();
-            let (seen, status, error) = self.acquire(url).await;
+            let (seen, quotas, status, error) = match &self.call {
+                Call::Acquire(body) => {
+                    let (seen, status, error) = self.acquire(url, body).await;
+                    (seen, Vec::new(), status, error)
+                }
+                Call::Envoy { window_secs } => {
+                    let seed = ((self.offset as u64) << 32) | n as u64;
+                    let a = crate::envoy_traffic::call(&self.client, url, seed, *window_secs).await;
+                    (a.request, a.quotas, a.status, a.error)
+                }
+            };
             if let Ok(mut a) = self.answers.lock() {
                 let done_ms = chrono::Utc::now().timestamp_millis();
                 let lease = matches!(seen, Seen::Lease(_));
                 a.push(Answer { region: self.region.clone(), sent_ms, done_ms, status, error, lease });
             }
-            self.record(seen, sent_ms);
+            let Ok(mut t) = self.tally.lock() else { continue };
+            record(&mut t.requests, &self.region, seen, sent_ms);
+            for (resource, seen) in quotas {
+                record(t.quotas.entry(resource.to_string()).or_default(), &self.region, seen, sent_ms);
+            }
         }
     }
 
     /// What the answer means for the tally, its status and error code.
-    async fn acquire(&self, url: &str) -> (Seen, u16, String) {
-        let resp = match self.client.post(url).json(&self.body).send().await {
+    async fn acquire(&self, url: &str, body: &serde_json::Value) -> (Seen, u16, String) {
+        let resp = match self.client.post(url).json(body).send().await {
             Ok(r) => r,
             Err(e) if e.is_connect() => return (Seen::Refused, 0, String::new()),
             Err(_) => return (Seen::Ambiguous, 0, String::new()),
@@ -258,26 +331,26 @@ impl ClientCtx {
         };
         (seen, status, error)
     }
+}
 
-    fn record(&self, seen: Seen, sent_ms: i64) {
-        let Ok(mut t) = self.tally.lock() else { return };
-        // Refusals carry no window; the window length is not known here, so
-        // they are filed under the second they were sent and regrouped by
-        // the report once the window length is known.
-        let wall = sent_ms.div_euclid(1000);
-        let (ws, f): (i64, fn(&mut Counts)) = match seen {
-            Seen::Lease(ws) => (ws, |c| c.lease += 1),
-            Seen::Fallback(ws) => (ws, |c| c.fallback += 1),
-            Seen::Denied => (wall, |c| c.denied += 1),
-            Seen::Unavailable => (wall, |c| c.unavailable += 1),
-            Seen::Ambiguous => (wall, |c| c.ambiguous += 1),
-            Seen::Refused => (wall, |c| c.refused += 1),
-        };
-        let c = t.entry(ws).or_default().entry(self.region.clone()).or_default();
-        f(c);
-        if matches!(seen, Seen::Lease(_) | Seen::Fallback(_)) {
-            c.last_admit_sent_ms = c.last_admit_sent_ms.max(sent_ms);
-        }
+/// Counts `seen` of a request of `region` sent at `sent_ms` into `t`.
+fn record(t: &mut Tally, region: &str, seen: Seen, sent_ms: i64) {
+    // Refusals carry no window; the window length is not known here, so
+    // they are filed under the second they were sent and regrouped by
+    // the report once the window length is known.
+    let wall = sent_ms.div_euclid(1000);
+    let (ws, f): (i64, fn(&mut Counts)) = match seen {
+        Seen::Lease(ws) => (ws, |c| c.lease += 1),
+        Seen::Fallback(ws) => (ws, |c| c.fallback += 1),
+        Seen::Denied => (wall, |c| c.denied += 1),
+        Seen::Unavailable => (wall, |c| c.unavailable += 1),
+        Seen::Ambiguous => (wall, |c| c.ambiguous += 1),
+        Seen::Refused => (wall, |c| c.refused += 1),
+    };
+    let c = t.entry(ws).or_default().entry(region.to_string()).or_default();
+    f(c);
+    if matches!(seen, Seen::Lease(_) | Seen::Fallback(_)) {
+        c.last_admit_sent_ms = c.last_admit_sent_ms.max(sent_ms);
     }
 }
 
