@@ -170,7 +170,7 @@ pub fn body(r: &BenchReport) -> String {
     let _ = writeln!(
         s,
         "
-Through Envoy (issue 33): one Envoy (1 worker thread) in front of a small upstream,          {c} keep-alive connections, two routes that differ only in the rate limit filter asking          the agent (`envoy.c{c}.*`):
+Through Envoy (issue 33): one Envoy (1 worker thread) in front of a small upstream, {c} keep-alive connections, two routes that differ only in the rate limit filter asking the agent (`envoy.c{c}.*`):
 "
     );
     let _ = writeln!(s, "| route | requests/s | p50 ms | p99 ms |");
