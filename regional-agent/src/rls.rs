@@ -508,7 +508,8 @@ pub async fn serve(app: AppState, mapping: Mapping, listener: TcpListener, stop:
     // The connection bound, the preface (header) and idle timeouts are in
     // the accepted streams (`crate::grpc_conn`, TCP_NODELAY set there); the
     // streams per connection are advertised to the client (it queues
-    // instead of being reset) and enforced.
+    // instead of being reset) and enforced by h2 itself (a stream beyond
+    // them is refused), so no per-request semaphore is needed on top.
     let streams = app.settings.grpc_max_streams;
     let incoming =
         crate::grpc_conn::incoming(listener, app.settings.grpc_limits, crate::listener_metrics(&app, "grpc"));
@@ -516,7 +517,6 @@ pub async fn serve(app: AppState, mapping: Mapping, listener: TcpListener, stop:
         .layer(tower::util::MapResponseLayer::new(undecodable_is_invalid_argument::<tonic::body::Body>))
         .timeout(Duration::from_secs(10))
         .max_concurrent_streams(streams)
-        .concurrency_limit_per_connection(streams as usize)
         .add_service(health)
         .add_service(rls)
         .serve_with_incoming_shutdown(incoming, stop.cancelled_owned())
