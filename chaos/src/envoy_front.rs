@@ -13,8 +13,6 @@
 use crate::stack::{self, Stack};
 use quota_tests::envoy::{self as qenvoy, Envoy, Ports};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
 use std::time::Duration;
 
 /// The example the demo runs, unchanged but for its ports.
@@ -73,45 +71,8 @@ pub fn ensure(say: &dyn Fn(&str)) -> Result<PathBuf, String> {
     }
 }
 
-/// The application behind the Envoys: answers 200 to anything and counts
-/// what reached it (what the Envoys let through).
-pub struct Upstream {
-    pub port: u16,
-    hits: Arc<AtomicU64>,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl Upstream {
-    /// Starts on a free loopback port.
-    pub async fn start() -> Result<Upstream, String> {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.map_err(|e| e.to_string())?;
-        let port = listener.local_addr().map_err(|e| e.to_string())?.port();
-        let hits = Arc::new(AtomicU64::new(0));
-        let counted = hits.clone();
-        let app = axum::Router::new().fallback(move || {
-            let counted = counted.clone();
-            async move {
-                counted.fetch_add(1, Ordering::Relaxed);
-                "ok"
-            }
-        });
-        let task = tokio::spawn(async move {
-            let _ = axum::serve(listener, app).await;
-        });
-        Ok(Upstream { port, hits, task })
-    }
-
-    /// Requests that reached the upstream so far.
-    pub fn hits(&self) -> u64 {
-        self.hits.load(Ordering::Relaxed)
-    }
-}
-
-impl Drop for Upstream {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
-}
+/// The application behind the Envoys (answers 200, counts what reached it).
+pub use quota_tests::envoy::Upstream;
 
 /// The running Envoys, by region, and their upstream.
 pub struct Fronts {

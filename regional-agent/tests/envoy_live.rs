@@ -9,12 +9,11 @@
 mod common;
 
 use common::World;
-use quota_tests::envoy::{self, Envoy, Ports};
+use quota_tests::envoy::{self, Envoy, Ports, Upstream};
 use quota_tests::proxy::{Fault, FaultProxy};
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -36,23 +35,6 @@ fn agent_env(grpc: u16) -> Vec<(String, String)> {
         .collect()
 }
 
-/// The application behind Envoy: answers 200 and counts what reached it.
-async fn application() -> (u16, Arc<AtomicU64>) {
-    let hits = Arc::new(AtomicU64::new(0));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let port = listener.local_addr().unwrap().port();
-    let counted = hits.clone();
-    let app = axum::Router::new().fallback(move || {
-        let counted = counted.clone();
-        async move {
-            counted.fetch_add(1, Ordering::Relaxed);
-            "ok"
-        }
-    });
-    tokio::spawn(async move { axum::serve(listener, app).await });
-    (port, hits)
-}
-
 /// The system of the example: allocator, Redis, one agent from
 /// `agent.env` (its allocator link through a fault proxy), the policies of
 /// `policies.json` (with `fail_mode` added when given), the application,
@@ -61,7 +43,7 @@ struct Site {
     w: World,
     agent: quota_tests::agent::AgentProc,
     link: FaultProxy,
-    hits: Arc<AtomicU64>,
+    app: Upstream,
     envoys: Vec<Envoy>,
     http: reqwest::Client,
 }
@@ -82,7 +64,8 @@ async fn site(bin: &std::path::Path, deny: &[bool], fail_mode: Option<&str>) -> 
     let env = agent_env(grpc);
     let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
     let agent = w.agent("eu", "eu-1", Some(&link.http_url()), &env).await;
-    let (app, hits) = application().await;
+    let upstream = Upstream::start().await.unwrap();
+    let app = upstream.port;
     let mut envoys = Vec::new();
     for &d in deny {
         let ports =
@@ -91,7 +74,7 @@ async fn site(bin: &std::path::Path, deny: &[bool], fail_mode: Option<&str>) -> 
         envoys.push(Envoy::start(bin, &config, &ports).await.unwrap_or_else(|e| panic!("{e}")));
     }
     let http = reqwest::Client::builder().timeout(Duration::from_secs(10)).build().unwrap();
-    let s = Site { w, agent, link, hits, envoys, http };
+    let s = Site { w, agent, link, app: upstream, envoys, http };
     // The agent's health check passes and the policies are learned before
     // a test counts anything (learning one takes up to 1.3 s).
     for e in &s.envoys {
@@ -158,15 +141,15 @@ async fn through_envoy_the_quota_holds_per_window_searches_spend_both_and_users_
     assert!((4..=5).contains(&admitted), "alice was admitted {admitted} of 8 searches, her burst is 4");
 
     // No user: refused (the per-user cap cannot be skipped), not an error.
-    let before = s.hits.load(Ordering::Relaxed);
+    let before = s.app.hits();
     let (status, hd) = s.get(e, "/search", None).await;
     assert_eq!(status, 429, "{hd:?}");
     assert_eq!(h(&hd, "x-quota-refused"), "principal_missing", "{hd:?}");
-    assert_eq!(s.hits.load(Ordering::Relaxed), before, "a refused request reached the application");
+    assert_eq!(s.app.hits(), before, "a refused request reached the application");
 
     // 300 users at their burst at once: 1,200 searches against a global
     // 200 per 1-s window. 32 connections at a time.
-    let started = s.hits.load(Ordering::Relaxed);
+    let started = s.app.hits();
     let tally = Arc::new(std::sync::Mutex::new(BTreeMap::<String, u64>::new()));
     let mut tasks = Vec::new();
     for c in 0..32 {
@@ -205,16 +188,12 @@ async fn through_envoy_the_quota_holds_per_window_searches_spend_both_and_users_
         tally.get("refused by the quota").copied().unwrap_or(0) > 0,
         "the global quota never refused: {tally:?}"
     );
-    assert_eq!(
-        s.hits.load(Ordering::Relaxed) - started,
-        admitted,
-        "what was admitted reached the application"
-    );
+    assert_eq!(s.app.hits() - started, admitted, "what was admitted reached the application");
 
     // By the allocator's accounting (after the agent's reports): every
     // window held search's 200, and each search spent one catalog token
     // too: both or neither, window by window.
-    let total = s.hits.load(Ordering::Relaxed) as i64;
+    let total = s.app.hits() as i64;
     s.w.wait_consumed("search", total).await;
     s.w.wait_consumed("catalog", total).await;
     let search = s.w.admitted_by_window("atlas", "search").await;
@@ -251,10 +230,10 @@ async fn failure_mode_deny_decides_only_what_the_agent_cannot_and_nothing_is_cha
     })
     .await;
     assert_eq!(status, 500, "failure_mode_deny: Envoy's status_on_error");
-    let before = s.hits.load(Ordering::Relaxed);
+    let before = s.app.hits();
     let (status, _) = s.get(&s.envoys[1], "/search", Some("carol")).await;
     assert_eq!(status, 200, "failure_mode_deny false lets it through");
-    assert_eq!(s.hits.load(Ordering::Relaxed), before + 1);
+    assert_eq!(s.app.hits(), before + 1);
     let mut failed_open = 1;
     // Even then, no principal is no way around the cap.
     for e in &s.envoys {
@@ -270,7 +249,7 @@ async fn failure_mode_deny_decides_only_what_the_agent_cannot_and_nothing_is_cha
         (s.get(deny, "/search", Some("dave")).await.0 == 200).then_some(())
     })
     .await;
-    let by_agent = s.hits.load(Ordering::Relaxed) as i64 - failed_open;
+    let by_agent = s.app.hits() as i64 - failed_open;
     s.w.wait_consumed("search", by_agent).await;
     s.w.wait_consumed("catalog", by_agent).await;
 
@@ -284,6 +263,6 @@ async fn failure_mode_deny_decides_only_what_the_agent_cannot_and_nothing_is_cha
     assert_eq!(status, 500);
     assert_eq!(s.get(&s.envoys[1], "/search", Some("erin")).await.0, 200);
     failed_open += 1;
-    assert_eq!(s.hits.load(Ordering::Relaxed) as i64, by_agent + failed_open);
+    assert_eq!(s.app.hits() as i64, by_agent + failed_open);
     s.envoys.clear();
 }

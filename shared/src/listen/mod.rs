@@ -29,6 +29,49 @@
 //! would need a second port in every deployment; accepting everything and
 //! sorting afterwards would have no bound at all.
 
+/// `AsyncWrite` for a wrapper `$ty<IO>` with field `io`, passed straight
+/// through: the wrappers only watch reads (a request arriving), never
+/// writes. Defined before the modules so both can use it.
+macro_rules! forward_async_write {
+    ($ty:ident) => {
+        impl<IO: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for $ty<IO> {
+            fn poll_write(
+                mut self: std::pin::Pin<&mut Self>,
+                cx: &mut std::task::Context<'_>,
+                buf: &[u8],
+            ) -> std::task::Poll<std::io::Result<usize>> {
+                std::pin::Pin::new(&mut self.io).poll_write(cx, buf)
+            }
+
+            fn poll_flush(
+                mut self: std::pin::Pin<&mut Self>,
+                cx: &mut std::task::Context<'_>,
+            ) -> std::task::Poll<std::io::Result<()>> {
+                std::pin::Pin::new(&mut self.io).poll_flush(cx)
+            }
+
+            fn poll_shutdown(
+                mut self: std::pin::Pin<&mut Self>,
+                cx: &mut std::task::Context<'_>,
+            ) -> std::task::Poll<std::io::Result<()>> {
+                std::pin::Pin::new(&mut self.io).poll_shutdown(cx)
+            }
+
+            fn poll_write_vectored(
+                mut self: std::pin::Pin<&mut Self>,
+                cx: &mut std::task::Context<'_>,
+                bufs: &[std::io::IoSlice<'_>],
+            ) -> std::task::Poll<std::io::Result<usize>> {
+                std::pin::Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+            }
+
+            fn is_write_vectored(&self) -> bool {
+                self.io.is_write_vectored()
+            }
+        }
+    };
+}
+
 pub mod http;
 pub mod nofile;
 pub mod slots;
