@@ -127,6 +127,8 @@ async fn through_envoy_the_quota_holds_per_window_searches_spend_both_and_users_
                 // limit_remaining: the tighter quota, search's 200 a second.
                 assert!(h(&hd, "x-ratelimit-limit").starts_with("200, "), "{n}: {hd:?}");
                 assert!(h(&hd, "x-ratelimit-remaining").parse::<u64>().is_ok_and(|r| r > 0), "{n}: {hd:?}");
+                // duration_until_reset: the rest of the 1-s window.
+                assert!(h(&hd, "x-ratelimit-reset").parse::<u64>().is_ok_and(|t| t <= 1), "{n}: {hd:?}");
             }
             429 => {
                 assert_eq!(h(&hd, "x-envoy-ratelimited"), "true", "{hd:?}");
