@@ -69,8 +69,8 @@ async fn requests_cancelled_at_random_points_leave_no_transaction_open() {
         .clone();
     link.set(Fault::Latency(4));
 
-    // Four clients, each sending grants and reports one after another with
-    // a random deadline between 1 ms and 250 ms.
+    // Four clients, each sending grants and reports one after another,
+    // most with a random deadline between 1 ms and 250 ms.
     let answered: Arc<Mutex<Vec<String>>> = Arc::default();
     let cancelled = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let base = format!("http://{}", alloc.addr);
@@ -80,7 +80,14 @@ async fn requests_cancelled_at_random_points_leave_no_transaction_open() {
         let window_start = window_start.clone();
         clients.push(tokio::spawn(async move {
             for n in 0..60i64 {
-                let deadline = Duration::from_millis(rand::rng().random_range(1..=250));
+                // Every fifth waits long enough to be answered however
+                // loaded the machine is: those are the leases checked below,
+                // and they run on connections the others left behind.
+                let deadline = if n % 5 == 0 {
+                    Duration::from_secs(10)
+                } else {
+                    Duration::from_millis(rand::rng().random_range(1..=250))
+                };
                 let client = reqwest::Client::builder().timeout(deadline).build().unwrap();
                 let seq = c * 1000 + n;
                 let q = format!("q{}", seq % 8);
@@ -121,7 +128,7 @@ async fn requests_cancelled_at_random_points_leave_no_transaction_open() {
     }
     link.set(Fault::Pass);
     let cancelled = cancelled.load(std::sync::atomic::Ordering::Relaxed);
-    assert!(cancelled >= 40, "only {cancelled} of 240 requests were cancelled: the test did not test");
+    assert!(cancelled >= 30, "only {cancelled} of 240 requests were cancelled: the test did not test");
 
     // No session of the allocator stays inside a transaction once its
     // requests have ended.
