@@ -13,13 +13,14 @@
 //! the totals as stored now (reports arrive after the admits they count, so
 //! they may know more about `at` than the reports received by then).
 
+use crate::error::{Error, Result};
 use crate::http::extract::{check_id, ApiPath, ApiQuery};
 use crate::leases::LeaseRow;
 use crate::ledger::{self, parse_time, Event};
-use crate::{policies, AppState, Error, Result};
+use crate::policies;
+use crate::state::AppState;
 use axum::extract::State;
-use axum::routing::get;
-use axum::{Json, Router};
+use axum::Json;
 use chrono::{DateTime, Utc};
 use quota_shared::window::Window;
 use quota_shared::wire::{ErrorBody, Policy};
@@ -31,11 +32,6 @@ use uuid::Uuid;
 pub const MAX_LEASES: i64 = 200;
 /// Refusals listed, newest first.
 pub const MAX_REFUSALS: i64 = 20;
-
-/// Routes of this module.
-pub fn router() -> Router<AppState> {
-    Router::new().route("/v1/explain/{tenant}/{resource}", get(explain))
-}
 
 /// Query of `GET /v1/explain/...`.
 #[derive(Debug, Deserialize, IntoParams)]
