@@ -6,28 +6,46 @@
 //!
 //! # Layout
 //!
+//! The modules stand in layers: each imports only modules below it (and the
+//! crate's [`error`] type, which every layer uses), so no import runs back
+//! up and none closes a circle. From the top:
+//!
+//! * this root: [`connect`], [`run`] and [`serve`]; it builds the pieces of
+//!   the state ([`registry`], the tokens) and the state itself
+//!   ([`AppState::new`]).
+//! * [`routes`]: the route table: which path goes to which handler, the
+//!   auth class of each route, and the layers every request passes.
+//! * the handlers and what they read:
+//!   * [`openapi`]: the OpenAPI document generated from the handlers.
+//!   * [`health`]: liveness, readiness and metrics endpoints.
+//!   * [`ui`]: the read-only HTML dashboard with SVG charts.
+//!   * [`window_metrics`]: the open and previous windows of the busiest
+//!     quotas as gauges for alerts (bounded cardinality).
+//!   * [`explain`]: why admission looked the way it did for a region;
+//!     `load` reads one snapshot in one transaction, `assemble` builds the
+//!     answer from it without I/O.
+//!   * [`grants`]: the grant transaction (I1, I2, I3, I4).
+//!   * [`leases`]: releases and lease reads.
+//!   * [`reports`]: consumption and fallback reports, exactly once (I7).
+//!   * [`windows`]: per-window accounting with the overshoot bound (I6).
+//!   * [`fleet`]: each agent's latest self-reported status (for `/ui`).
+//!   * [`policies`]: versioned policies; changes apply to open windows (I9).
+//!   * [`agents`]: registration and epochs (I4).
+//!   * [`ledger`]: the append-only event log.
+//! * [`state`]: [`AppState`], the state every handler shares, made of the
+//!   pieces the root passes in.
 //! * [`config`]: command-line flags and environment variables.
-//! * [`http`]: the router, auth, extractors and the request metrics layer.
-//! * [`error`]: the one error enum and its mapping to status and JSON.
-//! * [`policies`]: versioned policies; changes apply to open windows (I9).
-//! * [`agents`]: registration and epochs (I4).
-//! * [`fleet`]: each agent's latest self-reported status (for `/ui`).
-//! * [`grants`]: the grant transaction (I1, I2, I3, I4).
-//! * [`share`]: the demand-weighted share arithmetic (DESIGN §4).
-//! * [`leases`]: releases and lease reads.
-//! * [`reports`]: consumption and fallback reports, exactly once (I7).
-//! * [`windows`]: per-window accounting with the overshoot bound (I6).
-//! * [`window_metrics`]: the open and previous windows of the busiest
-//!   quotas as gauges for alerts (bounded cardinality).
-//! * [`ledger`]: the append-only event log.
-//! * [`explain`]: why admission looked the way it did for a region.
 //! * [`retention`]: the background deletion of everything beyond a horizon.
-//! * [`time`]: the one clock for windows, the database's (I8, DESIGN §6).
-//! * [`ui`]: the read-only HTML dashboard with SVG charts.
-//! * [`openapi`]: the OpenAPI document generated from the handlers.
-//! * [`health`]: liveness, readiness and metrics endpoints.
 //! * [`tls`]: HTTPS served by the allocator, certificates reloaded live.
+//! * [`time`]: the one clock for windows, the database's (I8, DESIGN §6).
+//! * [`http`]: plumbing only, knowing no handler and no state: extractors
+//!   with the allocator's rejections, bearer-token and region checks, the
+//!   request metrics middleware and the request span.
+//! * [`share`]: the demand-weighted share arithmetic (DESIGN §4).
+//! * [`tx`]: the one way a transaction begins.
 //! * [`reload`]: noticing changed configuration files (TLS, agent tokens).
+//! * [`telemetry`]: logging set-up and the shutdown signal.
+//! * [`error`]: the one error enum and its mapping to status and JSON.
 //!
 //! # SQL
 //!

@@ -534,16 +534,7 @@ mod assemble_tests {
             leases: Vec::new(),
             ..steady()
         };
-        let want = Want {
-            verdict: "no demand",
-            reason_has: "asked for nothing",
-            pool: (false, 0, 0, 100),
-            region: (0, 0, 0),
-            live: 0,
-            spent: vec![],
-            ..base_like()
-        };
-        out.push(("no pool yet", s, want));
+        out.push(("no pool yet", s, nothing_at_at()));
 
         // The pool was opened by a grant after `at`: nothing of it counts at `at`.
         let mut s = steady();
@@ -552,16 +543,7 @@ mod assemble_tests {
         s.pool = Some(p);
         s.reports_at = reports(0, 0, 0, 0);
         s.leases = Vec::new();
-        let want = Want {
-            verdict: "no demand",
-            reason_has: "asked for nothing",
-            pool: (false, 0, 0, 100),
-            region: (0, 0, 0),
-            live: 0,
-            spent: vec![],
-            ..base_like()
-        };
-        out.push(("the pool opened after at", s, want));
+        out.push(("the pool opened after at", s, nothing_at_at()));
 
         // Released at 92 with 10 unspent: at 90 it was still live and unspent.
         let mut s = steady();
@@ -691,6 +673,19 @@ mod assemble_tests {
             spent: vec![None],
             from_now: &[],
             notes: &[],
+        }
+    }
+
+    /// No pool, no lease and no demand as of `at`.
+    fn nothing_at_at() -> Want {
+        Want {
+            verdict: "no demand",
+            reason_has: "asked for nothing",
+            pool: (false, 0, 0, 100),
+            region: (0, 0, 0),
+            live: 0,
+            spent: vec![],
+            ..base_like()
         }
     }
 

@@ -13,8 +13,9 @@
 //! the totals as stored now (reports arrive after the admits they count, so
 //! they may know more about `at` than the reports received by then).
 //!
-//! The handler reads a [`load::Snapshot`] (every query, one transaction)
-//! and [`assemble`]s the answer from it (no I/O, table-tested).
+//! The handler reads a `Snapshot` (`load`: every query, the window's in one
+//! transaction) and `assemble`s the answer from it (no I/O, table-tested);
+//! the answer's types are in `answer`.
 
 mod answer;
 mod assemble;
