@@ -3,20 +3,15 @@
 //! PostgreSQL, so it survives allocator restarts and concurrent registrations
 //! serialise on the row.
 
+use crate::error::{Error, Result};
 use crate::http::auth::AgentScope;
 use crate::http::extract::{check_id, ApiJson};
 use crate::ledger::{self, Kind, NewEvent};
-use crate::{AppState, Error, Result};
+use crate::state::AppState;
 use axum::extract::State;
-use axum::routing::post;
-use axum::{Json, Router};
+use axum::Json;
 use quota_shared::wire::{ErrorBody, RegisterRequest, RegisterResponse};
 use sqlx::PgConnection;
-
-/// Routes of this module.
-pub fn router() -> Router<AppState> {
-    Router::new().route("/v1/agents/register", post(register))
-}
 
 /// `POST /v1/agents/register`: a new epoch for `(region, agent)`.
 #[utoipa::path(

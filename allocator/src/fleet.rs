@@ -13,14 +13,13 @@
 //! operator's view, never input to a decision.
 
 use crate::agents;
+use crate::error::{Error, Result};
 use crate::http::auth::AgentScope;
 use crate::http::extract::{check_count, check_id, ApiJson, ApiPath};
 use crate::ledger::NewEvent;
-use crate::{AppState, Error, Result};
+use crate::state::AppState;
 use axum::extract::State;
 use axum::http::StatusCode;
-use axum::routing::put;
-use axum::Router;
 use chrono::{DateTime, Utc};
 use quota_shared::wire::{AgentQuotaStatus, AgentStatusReport, ErrorBody};
 use sqlx::types::Json;
@@ -30,11 +29,6 @@ use std::collections::HashSet;
 /// Most quotas one status may list (the agent sends the ones with refusals
 /// or not leased first, and says how many it holds in `quotas_total`).
 pub const MAX_QUOTAS: usize = 200;
-
-/// Routes of this module.
-pub fn router() -> Router<AppState> {
-    Router::new().route("/v1/agents/{region}/{agent}/status", put(put_status))
-}
 
 /// The latest status of one agent, as stored.
 #[derive(Debug, Clone)]

@@ -8,17 +8,17 @@
 
 use crate::agents;
 use crate::error::on_constraint;
+use crate::error::{Error, Result};
 use crate::http::auth::AgentScope;
 use crate::http::extract::{check_count, check_id, ApiJson};
 use crate::leases::LeaseRow;
 use crate::ledger::{self, Kind, NewEvent};
 use crate::policies;
 use crate::share::{self, OtherRegion, ShareInput};
-use crate::{AppState, Error, Result};
+use crate::state::AppState;
 use axum::extract::State;
 use axum::http::{HeaderMap, HeaderValue};
-use axum::routing::post;
-use axum::{Json, Router};
+use axum::Json;
 use chrono::{DateTime, Duration, Utc};
 use quota_shared::window::Window;
 use quota_shared::wire::{ErrorBody, GrantRequest, GrantResponse, WindowSel};
@@ -26,11 +26,6 @@ use sqlx::PgConnection;
 use std::time::Instant;
 use tracing::Span;
 use uuid::Uuid;
-
-/// Routes of this module.
-pub fn router() -> Router<AppState> {
-    Router::new().route("/v1/grants", post(grant))
-}
 
 /// Largest demand accepted, tokens per second.
 pub(crate) const MAX_DEMAND_PER_SEC: f64 = 1e12;

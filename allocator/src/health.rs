@@ -1,21 +1,13 @@
 //! Liveness (`/healthz`, shallow), readiness (`/readyz`, the database answers)
 //! and `/metrics` (Prometheus text).
 
-use crate::{AppState, Result};
+use crate::error::Result;
+use crate::state::AppState;
 use axum::extract::State;
 use axum::http::header;
 use axum::response::IntoResponse;
-use axum::routing::get;
-use axum::{Json, Router};
+use axum::Json;
 use serde_json::{json, Value};
-
-/// Routes of this module.
-pub fn router() -> Router<AppState> {
-    Router::new()
-        .route("/healthz", get(healthz))
-        .route("/readyz", get(readyz))
-        .route("/metrics", get(metrics))
-}
 
 /// `GET /healthz`: shallow liveness.
 #[utoipa::path(get, path = "/healthz", responses((status = 200, description = "The process serves")), tag = "health")]

@@ -3,13 +3,13 @@
 //! I4) and `GET /v1/leases/{id}` with the lease's ledger events.
 
 use crate::agents;
+use crate::error::{Error, Result};
 use crate::http::auth::AgentScope;
 use crate::http::extract::{check_count, ApiJson, ApiPath};
 use crate::ledger::{self, Kind, NewEvent};
-use crate::{AppState, Error, Result};
+use crate::state::AppState;
 use axum::extract::State;
-use axum::routing::{get, post};
-use axum::{Json, Router};
+use axum::Json;
 use chrono::{DateTime, Utc};
 use quota_shared::window::Window;
 use quota_shared::wire::{
@@ -18,16 +18,6 @@ use quota_shared::wire::{
 use serde::Serialize;
 use utoipa::ToSchema;
 use uuid::Uuid;
-
-/// Agent-facing routes of this module.
-pub fn agent_router() -> Router<AppState> {
-    Router::new().route("/v1/leases/{lease_id}/release", post(release))
-}
-
-/// Operator-facing routes of this module.
-pub fn admin_router() -> Router<AppState> {
-    Router::new().route("/v1/leases/{lease_id}", get(get_lease))
-}
 
 /// A lease row (the columns of `sql/lease_*.sql` and `sql/explain_leases.sql`).
 #[derive(Debug, Clone)]

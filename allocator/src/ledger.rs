@@ -13,14 +13,14 @@
 //! one more statement) for at most `quota.ledger_writer_timeout` (30 s).
 //! Every page says up to which instant it is complete (`as_of`).
 
+use crate::error::{Error, Result};
 use crate::http::extract::{check_id, ApiQuery};
-use crate::{AppState, Error, Result};
+use crate::state::AppState;
 use axum::body::Body;
 use axum::extract::State;
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
-use axum::routing::get;
-use axum::{Json, Router};
+use axum::Json;
 use chrono::{DateTime, Utc};
 use quota_shared::wire::ErrorBody;
 use serde::{Deserialize, Serialize};
@@ -175,11 +175,6 @@ pub const AS_OF_HEADER: &str = "ledger-as-of";
 
 /// Largest page of `GET /v1/ledger`, and the batch an NDJSON export reads.
 pub const MAX_PAGE: i64 = 1000;
-
-/// Routes of this module.
-pub fn router() -> Router<AppState> {
-    Router::new().route("/v1/ledger", get(list))
-}
 
 /// Parses an RFC 3339 query parameter.
 pub fn parse_time(field: &str, s: &str) -> Result<DateTime<Utc>> {

@@ -6,28 +6,46 @@
 //!
 //! # Layout
 //!
+//! The modules stand in layers: each imports only modules below it (and the
+//! crate's [`error`] type, which every layer uses), so no import runs back
+//! up and none closes a circle. From the top:
+//!
+//! * this root: [`connect`], [`run`] and [`serve`]; it builds the pieces of
+//!   the state ([`registry`], the tokens) and the state itself
+//!   ([`AppState::new`]).
+//! * [`routes`]: the route table: which path goes to which handler, the
+//!   auth class of each route, and the layers every request passes.
+//! * the handlers and what they read:
+//!   * [`openapi`]: the OpenAPI document generated from the handlers.
+//!   * [`health`]: liveness, readiness and metrics endpoints.
+//!   * [`ui`]: the read-only HTML dashboard with SVG charts.
+//!   * [`window_metrics`]: the open and previous windows of the busiest
+//!     quotas as gauges for alerts (bounded cardinality).
+//!   * [`explain`]: why admission looked the way it did for a region;
+//!     `load` reads one snapshot in one transaction, `assemble` builds the
+//!     answer from it without I/O.
+//!   * [`grants`]: the grant transaction (I1, I2, I3, I4).
+//!   * [`leases`]: releases and lease reads.
+//!   * [`reports`]: consumption and fallback reports, exactly once (I7).
+//!   * [`windows`]: per-window accounting with the overshoot bound (I6).
+//!   * [`fleet`]: each agent's latest self-reported status (for `/ui`).
+//!   * [`policies`]: versioned policies; changes apply to open windows (I9).
+//!   * [`agents`]: registration and epochs (I4).
+//!   * [`ledger`]: the append-only event log.
+//! * [`state`]: [`AppState`], the state every handler shares, made of the
+//!   pieces the root passes in.
 //! * [`config`]: command-line flags and environment variables.
-//! * [`http`]: the router, auth, extractors and the request metrics layer.
-//! * [`error`]: the one error enum and its mapping to status and JSON.
-//! * [`policies`]: versioned policies; changes apply to open windows (I9).
-//! * [`agents`]: registration and epochs (I4).
-//! * [`fleet`]: each agent's latest self-reported status (for `/ui`).
-//! * [`grants`]: the grant transaction (I1, I2, I3, I4).
-//! * [`share`]: the demand-weighted share arithmetic (DESIGN §4).
-//! * [`leases`]: releases and lease reads.
-//! * [`reports`]: consumption and fallback reports, exactly once (I7).
-//! * [`windows`]: per-window accounting with the overshoot bound (I6).
-//! * [`window_metrics`]: the open and previous windows of the busiest
-//!   quotas as gauges for alerts (bounded cardinality).
-//! * [`ledger`]: the append-only event log.
-//! * [`explain`]: why admission looked the way it did for a region.
 //! * [`retention`]: the background deletion of everything beyond a horizon.
-//! * [`time`]: the one clock for windows, the database's (I8, DESIGN §6).
-//! * [`ui`]: the read-only HTML dashboard with SVG charts.
-//! * [`openapi`]: the OpenAPI document generated from the handlers.
-//! * [`health`]: liveness, readiness and metrics endpoints.
 //! * [`tls`]: HTTPS served by the allocator, certificates reloaded live.
+//! * [`time`]: the one clock for windows, the database's (I8, DESIGN §6).
+//! * [`http`]: plumbing only, knowing no handler and no state: extractors
+//!   with the allocator's rejections, bearer-token and region checks, the
+//!   request metrics middleware and the request span.
+//! * [`share`]: the demand-weighted share arithmetic (DESIGN §4).
+//! * [`tx`]: the one way a transaction begins.
 //! * [`reload`]: noticing changed configuration files (TLS, agent tokens).
+//! * [`telemetry`]: logging set-up and the shutdown signal.
+//! * [`error`]: the one error enum and its mapping to status and JSON.
 //!
 //! # SQL
 //!
@@ -65,7 +83,9 @@ pub mod policies;
 pub mod reload;
 pub mod reports;
 pub mod retention;
+pub mod routes;
 pub mod share;
+pub mod state;
 pub mod telemetry;
 pub mod time;
 pub mod tls;
@@ -74,7 +94,7 @@ pub mod ui;
 pub mod window_metrics;
 pub mod windows;
 
-use quota_shared::clock::{Clock, OffsetClock, SystemClock};
+use quota_shared::clock::OffsetClock;
 use quota_shared::listen::{nofile, Limits};
 use quota_shared::prom::Registry;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
@@ -90,46 +110,40 @@ pub use error::{Error, Result};
 /// Migrations embedded from the workspace's `migrations/` folder.
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations");
 
-/// `--retention-hours` by default.
-pub const DEFAULT_RETENTION_HOURS: u64 = 168;
+pub use retention::DEFAULT_RETENTION_HOURS;
+pub use state::AppState;
 
-/// Shared state of every handler.
-#[derive(Clone)]
-pub struct AppState {
-    /// The connection pool.
-    pub db: PgPool,
-    /// This replica's own clock. Nothing that decides or stamps a window
-    /// reads it any more (all of that reads [`AppState::db_clock`]); the
-    /// hidden `--test-clock-offset-ms` shifts it, so a test of replicas with
-    /// skewed clocks fails if a decision ever reads it again.
-    pub clock: Arc<dyn Clock>,
-    /// The one clock for windows: the database's (I8, DESIGN §6).
-    pub db_clock: time::DbClock,
-    /// Report items of windows that started longer ago than this are
-    /// refused (`report_expired`), which makes deleting report records
-    /// beyond it safe; `None` accepts any age (retention disabled).
-    pub report_horizon: Option<chrono::Duration>,
-    /// Prometheus series.
-    pub metrics: Arc<Registry>,
-    /// Quotas whose open and previous windows `/metrics` shows
-    /// (`--window-metrics-quotas`; 0: none).
-    pub window_metrics_quotas: i64,
-    /// Bearer tokens; `None` leaves that class of routes open (loopback only).
-    pub auth: http::auth::Tokens,
+/// The metrics registry with every family described by its owner: the
+/// request and listener families (`http::metrics`), the window gauges
+/// ([`window_metrics`]), and the grant, release and pool families recorded
+/// by the handlers.
+pub fn registry() -> Registry {
+    let r = Registry::default();
+    http::metrics::describe(&r);
+    r.describe("allocator_grants_total", "counter", "Grant requests by outcome");
+    r.describe("allocator_granted_tokens_total", "counter", "Tokens put into leases");
+    r.describe("allocator_released_tokens_total", "counter", "Unspent tokens returned to open pools");
+    r.describe(
+        "allocator_grant_seconds",
+        "histogram",
+        "Grant handling latency, including retries of a raced key",
+    );
+    r.describe("allocator_db_connections", "gauge", "PostgreSQL pool connections by state (open, idle)");
+    window_metrics::describe(&r);
+    r
 }
 
+/// The root builds the state: it is the one module that stands above every
+/// piece (the registry's families come from the handlers' modules too).
 impl AppState {
     /// State over an existing pool with the system clock and no tokens.
     pub fn new(db: PgPool) -> Self {
-        AppState {
+        AppState::from_parts(
             db,
-            clock: Arc::new(SystemClock),
-            db_clock: time::DbClock::database(),
-            report_horizon: Some(retention::hours(DEFAULT_RETENTION_HOURS)),
-            metrics: Arc::new(http::metrics::registry()),
-            window_metrics_quotas: window_metrics::DEFAULT_QUOTAS,
-            auth: http::auth::Tokens::default(),
-        }
+            Arc::new(registry()),
+            window_metrics::DEFAULT_QUOTAS,
+            http::auth::Tokens::default(),
+        )
     }
 }
 
@@ -184,7 +198,7 @@ pub async fn run_listening(
 ) -> std::io::Result<()> {
     let reloader = tokio::spawn(reload_files(state.auth.regions.clone(), tls.clone()));
     let metrics = http::metrics::listener(&state.metrics);
-    let router = http::router(state);
+    let router = routes::router(state);
     let served = match tls {
         None => {
             let plain = move |tcp, _| std::future::ready(Some((tcp, router.clone())));

@@ -4,8 +4,7 @@
 //! public: it describes the API, not any data.
 
 use crate::{agents, explain, fleet, grants, health, leases, ledger, policies, reports, ui, windows};
-use axum::routing::get;
-use axum::{Json, Router};
+use axum::Json;
 use quota_shared::openapi::IdentifierPatterns;
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::{Modify, OpenApi};
@@ -161,11 +160,6 @@ impl Modify for RequestBounds {
             }
         }
     }
-}
-
-/// Routes of this module (public).
-pub fn router() -> Router<crate::AppState> {
-    Router::new().route("/openapi.json", get(openapi_json))
 }
 
 /// `GET /openapi.json`.

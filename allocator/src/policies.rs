@@ -8,26 +8,19 @@
 //! `fallback_per_region = limit / 100` in bounded mode and 0 in strict mode,
 //! no `per_key` bucket, `enforce = true`.
 
+use crate::error::{Error, Result};
 use crate::http::auth::Principal;
 use crate::http::extract::{check_count, check_id, ApiJson, ApiPath, MAX_COUNT};
 use crate::ledger::{self, Kind, NewEvent};
-use crate::{AppState, Error, Result};
+use crate::state::AppState;
 use axum::extract::State;
 use axum::http::HeaderMap;
-use axum::routing::{get, put};
-use axum::{Extension, Json, Router};
+use axum::{Extension, Json};
 use chrono::{DateTime, Utc};
 use quota_shared::wire::{ErrorBody, FailMode, PerKey, Policy, PolicySpec};
 use serde::{Deserialize, Serialize};
 use sqlx::{PgConnection, PgPool};
 use utoipa::ToSchema;
-
-/// Routes of this module.
-pub fn router() -> Router<AppState> {
-    Router::new()
-        .route("/v1/policies/{tenant}/{resource}", put(put_policy).get(get_policy))
-        .route("/v1/policies/{tenant}/{resource}/versions", get(list_versions))
-}
 
 /// Most versions one call lists: far more than any quota is edited, and a
 /// bound on the answer all the same.

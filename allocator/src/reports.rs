@@ -12,14 +12,14 @@
 //! is what keeps a replay of a deleted report from applying twice.
 
 use crate::agents;
+use crate::error::{Error, Result};
 use crate::http::auth::AgentScope;
 use crate::http::extract::{check_count, check_id, ApiJson};
 use crate::ledger::{self, Kind, NewEvent};
 use crate::policies;
-use crate::{AppState, Error, Result};
+use crate::state::AppState;
 use axum::extract::State;
-use axum::routing::post;
-use axum::{Json, Router};
+use axum::Json;
 use chrono::{DateTime, Utc};
 use quota_shared::wire::{ErrorBody, ReportItem, ReportRequest, ReportResponse};
 use sqlx::PgConnection;
@@ -34,11 +34,6 @@ pub const MAX_REPORT_ID_LEN: usize = 128;
 /// agent's view of the window boundary is derived from earlier answers and
 /// its monotonic clock, so it can open the next window a little early.
 pub const FUTURE_TOLERANCE_SECS: i64 = 5;
-
-/// Routes of this module.
-pub fn router() -> Router<AppState> {
-    Router::new().route("/v1/reports", post(report))
-}
 
 fn validate(req: &ReportRequest) -> Result<()> {
     check_id("region", &req.region)?;

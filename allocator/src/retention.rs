@@ -31,10 +31,13 @@
 //! between batches leaves the database to the grants. Cutoffs come from the
 //! database's clock (see [`crate::time`]).
 
+use crate::error::Result;
 use crate::time::DbClock;
-use crate::Result;
 use chrono::{DateTime, Duration, Utc};
 use sqlx::PgPool;
+
+/// `--retention-hours` by default.
+pub const DEFAULT_RETENTION_HOURS: u64 = 168;
 
 /// How the job runs.
 #[derive(Debug, Clone)]

@@ -13,7 +13,7 @@
 //! the given clock from the system clock is added to the database's time,
 //! so time still flows. Production never shifts it.
 
-use crate::Result;
+use crate::error::Result;
 use chrono::{DateTime, Utc};
 use quota_shared::clock::Clock;
 use sqlx::PgConnection;

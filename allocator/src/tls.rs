@@ -4,7 +4,7 @@
 //! `--tls-client-ca` when it is given.
 //!
 //! The files are reloaded without a restart when they change (polled every
-//! [`reload::POLL_EVERY`]) or on SIGHUP. A reload builds a whole new
+//! [`crate::reload::POLL_EVERY`]) or on SIGHUP. A reload builds a whole new
 //! `ServerConfig` and swaps the `Arc` the acceptor reads per connection, so
 //! each handshake sees either the old certificate, key and client CA or the
 //! new ones, never a mix, and open connections keep theirs. (A

@@ -14,7 +14,9 @@
 //! partition), so the previous window's numbers settle some time after it
 //! closed; an alert on `bound_held` should wait (`for:`) for that.
 
-use crate::{windows, AppState, Result};
+use crate::error::Result;
+use crate::state::AppState;
+use crate::windows;
 use chrono::{DateTime, Duration, Utc};
 use quota_shared::prom::Registry;
 

@@ -2,14 +2,14 @@
 //! returned, consumed and admitted from fallback, the overshoot bound of I6
 //! and whether the window held it, in total and per region.
 
+use crate::error::{Error, Result};
 use crate::http::extract::{check_id, ApiPath, ApiQuery};
 use crate::ledger::parse_time;
 use crate::policies;
 use crate::share;
-use crate::{AppState, Error, Result};
+use crate::state::AppState;
 use axum::extract::State;
-use axum::routing::get;
-use axum::{Json, Router};
+use axum::Json;
 use chrono::{DateTime, Duration, Utc};
 use quota_shared::bound::{self, BoundInputs};
 use quota_shared::window::Window;
@@ -21,11 +21,6 @@ use utoipa::{IntoParams, ToSchema};
 
 /// Most windows one call returns; `next_from` continues.
 pub const MAX_WINDOWS: i64 = 100;
-
-/// Routes of this module.
-pub fn router() -> Router<AppState> {
-    Router::new().route("/v1/windows/{tenant}/{resource}", get(list))
-}
 
 /// Query of `GET /v1/windows/...`.
 #[derive(Debug, Deserialize, IntoParams)]

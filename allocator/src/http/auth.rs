@@ -12,7 +12,7 @@
 
 use super::agent_tokens::AgentTokens;
 use super::secret::constant_time_eq;
-use crate::{AppState, Error};
+use crate::error::Error;
 use axum::extract::{FromRequestParts, Request, State};
 use axum::http::request::Parts;
 use axum::middleware::Next;
@@ -109,11 +109,10 @@ fn matches(presented: Option<&str>, token: &Option<String>) -> bool {
 /// file, or the admin token (for operators' tools); records who and for
 /// which regions.
 pub async fn require_agent(
-    State(state): State<AppState>,
+    State(tokens): State<Tokens>,
     mut req: Request,
     next: Next,
 ) -> Result<Response, Error> {
-    let tokens = &state.auth;
     let presented = bearer(&req);
     let mut scope = AgentScope {
         token: None,
@@ -144,11 +143,10 @@ pub async fn require_agent(
 /// and gets the same bare 401 as any other (DESIGN §5), so agents can neither
 /// read nor change policies.
 pub async fn require_admin(
-    State(state): State<AppState>,
+    State(tokens): State<Tokens>,
     mut req: Request,
     next: Next,
 ) -> Result<Response, Error> {
-    let tokens = &state.auth;
     let presented = bearer(&req);
     let principal = if tokens.admin.is_none() {
         Principal(ANONYMOUS)

@@ -2,7 +2,7 @@
 //! JSON is a 400, a wrong type or value a 422 naming the field, and an
 //! oversized body a 413, all in the documented JSON shape.
 
-use crate::Error;
+use crate::error::Error;
 use axum::extract::rejection::{JsonRejection, PathRejection, QueryRejection};
 use axum::extract::{FromRequest, FromRequestParts, Request};
 use axum::http::request::Parts;

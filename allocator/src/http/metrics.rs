@@ -1,6 +1,8 @@
-//! Request metrics: a count and a latency histogram per route and status.
+//! Request metrics: a count and a latency histogram per route and status,
+//! and the API listener's connection counts. The families of the rest of
+//! the allocator are described by the crate's root, which builds the one
+//! registry.
 
-use crate::AppState;
 use axum::extract::{MatchedPath, Request, State};
 use axum::middleware::Next;
 use axum::response::Response;
@@ -9,23 +11,11 @@ use quota_shared::prom::Registry;
 use std::sync::Arc;
 use std::time::Instant;
 
-/// A registry with the allocator's families described.
-pub fn registry() -> Registry {
-    let r = Registry::default();
+/// Declares the request and listener families in `r`.
+pub fn describe(r: &Registry) {
     r.describe("allocator_http_requests_total", "counter", "HTTP requests by route and status");
     r.describe("allocator_http_request_seconds", "histogram", "HTTP request latency by route");
-    r.describe("allocator_grants_total", "counter", "Grant requests by outcome");
-    r.describe("allocator_granted_tokens_total", "counter", "Tokens put into leases");
-    r.describe("allocator_released_tokens_total", "counter", "Unspent tokens returned to open pools");
-    r.describe(
-        "allocator_grant_seconds",
-        "histogram",
-        "Grant handling latency, including retries of a raced key",
-    );
-    r.describe("allocator_db_connections", "gauge", "PostgreSQL pool connections by state (open, idle)");
-    crate::window_metrics::describe(&r);
-    ListenerMetrics::describe(&r, LISTENER_OPEN, LISTENER_CLOSED, &["http"]);
-    r
+    ListenerMetrics::describe(r, LISTENER_OPEN, LISTENER_CLOSED, &["http"]);
 }
 
 /// Gauge of open connections on the API listener.
@@ -43,8 +33,8 @@ pub fn listener(registry: &Arc<Registry>) -> ListenerMetrics {
     }
 }
 
-/// Middleware recording every request.
-pub async fn track(State(state): State<AppState>, req: Request, next: Next) -> Response {
+/// Middleware recording every request in the registry it is given.
+pub async fn track(State(metrics): State<Arc<Registry>>, req: Request, next: Next) -> Response {
     let route = req
         .extensions()
         .get::<MatchedPath>()
@@ -53,11 +43,7 @@ pub async fn track(State(state): State<AppState>, req: Request, next: Next) -> R
     let started = Instant::now();
     let resp = next.run(req).await;
     let status = resp.status().as_u16().to_string();
-    state.metrics.inc("allocator_http_requests_total", &[("route", &route), ("status", &status)]);
-    state.metrics.observe(
-        "allocator_http_request_seconds",
-        &[("route", &route)],
-        started.elapsed().as_secs_f64(),
-    );
+    metrics.inc("allocator_http_requests_total", &[("route", &route), ("status", &status)]);
+    metrics.observe("allocator_http_request_seconds", &[("route", &route)], started.elapsed().as_secs_f64());
     resp
 }

@@ -15,9 +15,10 @@
 //! in fallback, while its counts still count for the window they name.
 
 use super::{escape, page, time};
+use crate::error::Result;
 use crate::fleet::{self, AgentStatusRow};
 use crate::policies::PolicyRow;
-use crate::{AppState, Result};
+use crate::state::AppState;
 use axum::extract::State;
 use axum::response::Html;
 use chrono::{DateTime, Utc};

@@ -7,18 +7,18 @@
 //! latest statuses.
 //!
 //! Every string that comes from the database or the request goes through
-//! [`escape`]. The pages are admin reads (see `http` for the auth choice).
+//! [`escape`]. The pages are admin reads (see `crate::routes` for the auth choice).
 
 pub mod chart;
 pub mod fleet;
 
+use crate::error::{Error, Result};
 use crate::http::extract::{check_id, ApiPath, ApiQuery};
+use crate::policies;
+use crate::state::AppState;
 use crate::windows::{self, WindowAccount};
-use crate::{policies, AppState, Error, Result};
 use axum::extract::State;
 use axum::response::Html;
-use axum::routing::get;
-use axum::Router;
 use chrono::{DateTime, Duration, SecondsFormat, Utc};
 use quota_shared::window::Window;
 use quota_shared::wire::ErrorBody;
@@ -31,14 +31,6 @@ use utoipa::IntoParams;
 pub const MAX_QUOTAS: i64 = 1000;
 /// Windows a quota page shows unless `?n=` says otherwise.
 pub const DEFAULT_WINDOWS: i64 = 12;
-
-/// Routes of this module.
-pub fn router() -> Router<AppState> {
-    Router::new()
-        .route("/ui", get(index))
-        .route("/ui/quotas/{tenant}/{resource}", get(quota))
-        .route("/ui/regions", get(fleet::regions))
-}
 
 /// Escapes text for HTML element content and attribute values.
 pub fn escape(s: &str) -> String {
