@@ -274,7 +274,7 @@ fn info_texts(v: Value) -> Result<Vec<String>, StoreError> {
 /// `CONFIG GET maxmemory-policy` on one server (an array `[name, value]`,
 /// or a map).
 async fn config_policy(store: &Store) -> Result<Option<String>, StoreError> {
-    let v: Value = store.cmd(redis::cmd("CONFIG").arg("GET").arg("maxmemory-policy")).await?;
+    let v = crate::commands::config_maxmemory_policy(store).await?;
     let s = |v: &Value| match v {
         Value::BulkString(b) => Some(String::from_utf8_lossy(b).into_owned()),
         Value::SimpleString(s) => Some(s.clone()),
@@ -289,7 +289,7 @@ async fn config_policy(store: &Store) -> Result<Option<String>, StoreError> {
 
 /// Reads every node's fields.
 async fn read(store: &Store) -> Result<Vec<InfoFields>, StoreError> {
-    let v: Value = store.cmd(&redis::cmd("INFO")).await?;
+    let v = crate::commands::info(store).await?;
     let mut nodes: Vec<InfoFields> = info_texts(v)?.iter().map(|t| parse_info(t)).collect();
     for n in nodes.iter_mut().filter(|n| n.maxmemory_policy.is_none()) {
         // A cluster's CONFIG GET reaches one random node: of no use per node.

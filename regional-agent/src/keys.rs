@@ -18,6 +18,77 @@
 /// counts are reported (F04, see the crate doc's key lifecycle).
 pub const COUNTER_TTL_MS: i64 = 7 * 24 * 3600 * 1000;
 
+/// The fixed suffixes a quota's keys take after its prefix
+/// ([`Keys::quota`]). The Lua scripts append the same suffixes themselves
+/// (`P .. 'dirty'`); the test `lua_suffixes_are_the_exported_ones` holds
+/// the two lists together, so a key renamed on one side cannot silently
+/// split the state in two.
+pub mod suffix {
+    /// The incarnation token (`KEYS[1]` of every script).
+    pub const INCARNATION: &str = "inc";
+    /// The cached policy (hash; written by Rust only).
+    pub const POLICY: &str = "pol";
+    /// The renew lock (written by Rust only; released by `lua/unlock.lua`,
+    /// which gets the key whole).
+    pub const RENEW_LOCK: &str = "lock";
+    /// "The allocator said the pool is empty" mark.
+    pub const EXHAUSTED: &str = "exh";
+    /// Windows with counts not yet cut into an outbox (set).
+    pub const DIRTY: &str = "dirty";
+    /// Live leases (sorted set, score the window start).
+    pub const LEASE_INDEX: &str = "idx";
+    /// Fallback counter of a window (`fb:<window start>`).
+    pub const FALLBACK: &str = "fb:";
+    /// An agent's outbox list (`ob:<agent>`).
+    pub const OUTBOX: &str = "ob:";
+    /// A principal's per-key bucket (`k:<length-prefixed key>`).
+    pub const PER_KEY: &str = "k:";
+    /// The region's fallback clock offset (scripts only).
+    pub const CLOCK: &str = "clk";
+    /// Counts of a window admitted from leases (`cons:<window start>`).
+    pub const CONSUMED: &str = "cons:";
+    /// Demand counter (scripts only).
+    pub const DEMAND: &str = "dem";
+    /// Counts of a window admitted from fallback (`fbr:<window start>`).
+    pub const FALLBACK_REPORTED: &str = "fbr:";
+    /// An agent's epoch fence (`fence:<agent>`).
+    pub const FENCE: &str = "fence:";
+    /// A lease's book (`l:<lease id>`).
+    pub const LEASE: &str = "l:";
+    /// A live lease's balance (`live:<lease id>`).
+    pub const LIVE: &str = "live:";
+    /// A lease's not-before time (`nb:<lease id>`).
+    pub const NOT_BEFORE: &str = "nb:";
+    /// A request id's answer within one quota (`rid:<request id>`).
+    pub const REQUEST_ID: &str = "rid:";
+    /// Shadow-mode refusals of a window (`shr:<window start>`).
+    pub const SHADOW: &str = "shr:";
+    /// The Redis server's run id the state was written on (rollback check).
+    pub const SERVER: &str = "srv";
+
+    /// Every suffix the scripts append (all but the Rust-only ones).
+    pub const IN_SCRIPTS: &[&str] = &[
+        INCARNATION,
+        EXHAUSTED,
+        DIRTY,
+        LEASE_INDEX,
+        FALLBACK,
+        OUTBOX,
+        PER_KEY,
+        CLOCK,
+        CONSUMED,
+        DEMAND,
+        FALLBACK_REPORTED,
+        FENCE,
+        LEASE,
+        LIVE,
+        NOT_BEFORE,
+        REQUEST_ID,
+        SHADOW,
+        SERVER,
+    ];
+}
+
 /// Which hash tag a quota's keys share.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Layout {
@@ -148,44 +219,44 @@ impl Keys {
     /// A quota's incarnation key (`KEYS[1]` of every script: the key that
     /// routes a script to the quota's Cluster slot).
     pub fn incarnation(quota_prefix: &str) -> String {
-        format!("{quota_prefix}inc")
+        format!("{quota_prefix}{}", suffix::INCARNATION)
     }
 
     /// A quota's cached policy (hash), shared by the region's replicas.
     pub fn policy(quota_prefix: &str) -> String {
-        format!("{quota_prefix}pol")
+        format!("{quota_prefix}{}", suffix::POLICY)
     }
 
     /// A quota's renew lock (one replica renews at a time).
     pub fn renew_lock(quota_prefix: &str) -> String {
-        format!("{quota_prefix}lock")
+        format!("{quota_prefix}{}", suffix::RENEW_LOCK)
     }
 
     /// A quota's "the allocator said the pool is empty" mark.
     pub fn exhausted(quota_prefix: &str) -> String {
-        format!("{quota_prefix}exh")
+        format!("{quota_prefix}{}", suffix::EXHAUSTED)
     }
 
     /// A quota's set of windows with counts not yet cut into an outbox.
     pub fn dirty(quota_prefix: &str) -> String {
-        format!("{quota_prefix}dirty")
+        format!("{quota_prefix}{}", suffix::DIRTY)
     }
 
     /// A quota's index of live leases (sorted set of lease ids, score the
     /// window start; kept by the scripts, see `lua/prelude.lua`).
     pub fn lease_index(quota_prefix: &str) -> String {
-        format!("{quota_prefix}idx")
+        format!("{quota_prefix}{}", suffix::LEASE_INDEX)
     }
 
     /// A quota's fallback counter of the window starting at `window_start`
     /// (written by `lua/prelude.lua`'s fallback path).
     pub fn fallback_counter(quota_prefix: &str, window_start: i64) -> String {
-        format!("{quota_prefix}fb:{window_start}")
+        format!("{quota_prefix}{}{window_start}", suffix::FALLBACK)
     }
 
     /// The outbox list of `agent` for the quota with prefix `quota_prefix`.
     pub fn outbox(quota_prefix: &str, agent: &str) -> String {
-        format!("{quota_prefix}ob:{agent}")
+        format!("{quota_prefix}{}{agent}", suffix::OUTBOX)
     }
 
     /// The suffix a request id takes after the quota prefix.
@@ -202,7 +273,7 @@ impl Keys {
     /// A principal's per-key bucket in a quota (a hash `{t, at}`, see
     /// `lua/spend.lua`, which appends `k:` and the suffix itself).
     pub fn per_key_bucket(quota_prefix: &str, key: &str) -> String {
-        format!("{quota_prefix}k:{}", Self::per_key_suffix(key))
+        format!("{quota_prefix}{}{}", suffix::PER_KEY, Self::per_key_suffix(key))
     }
 }
 
@@ -266,5 +337,28 @@ mod tests {
         let tag = |p: &str| p[p.find('{').unwrap()..=p.find('}').unwrap()].to_string();
         assert_eq!(tag(&new.quota("atlas", "read")), tag(&new.quota("atlas", "write")));
         assert_eq!(tag(&new.quota("atlas", "read")), tag(&new.request_id_claim("atlas", "r")));
+    }
+
+    /// The suffixes the Lua scripts append (`P .. '<suffix>'`) are exactly
+    /// the ones `suffix::IN_SCRIPTS` exports.
+    #[test]
+    fn lua_suffixes_are_the_exported_ones() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("lua");
+        let mut in_lua = std::collections::BTreeSet::new();
+        for e in std::fs::read_dir(&dir).unwrap() {
+            let text = std::fs::read_to_string(e.unwrap().path()).unwrap();
+            // Code only: comments name keys too (`P..'lock'` in unlock.lua).
+            for code in text.lines().map(|l| l.split("--").next().unwrap_or_default()) {
+                for part in code.split("P .. '").skip(1) {
+                    in_lua.insert(part.split('\'').next().unwrap().to_string());
+                }
+            }
+        }
+        let exported: std::collections::BTreeSet<String> =
+            suffix::IN_SCRIPTS.iter().map(|s| s.to_string()).collect();
+        assert_eq!(in_lua, exported);
+        for rust_only in [suffix::POLICY, suffix::RENEW_LOCK] {
+            assert!(!in_lua.contains(rust_only), "{rust_only} is written by Rust only");
+        }
     }
 }

@@ -33,6 +33,7 @@
 //! (a key may get up to one burst more in the region, a retry that crosses
 //! the upgrade may be decided again; both within the bound).
 
+use crate::commands;
 use crate::keys::{Keys, Layout};
 use crate::store::{Store, StoreError};
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
@@ -49,7 +50,7 @@ pub const LIVE_LEGACY: &str = "1";
 pub const READ_SLACK_MS: i64 = 5_000;
 /// Most legacy agents looked at per look; a larger legacy agent set counts
 /// as one with a live agent (no sample may miss one).
-const MAX_LOOKED_AT: usize = 256;
+const MAX_LOOKED_AT: i64 = 256;
 /// How often the region is looked at: well within the gate's margin (the
 /// liveness key's 10 s and [`READ_SLACK_MS`]), on a timer of its own so a
 /// slow outbox round cannot hold it.
@@ -142,15 +143,15 @@ pub async fn look(store: &Store, keys: &Keys, region: &str, me: &str, live_ttl_m
 /// as yes) with its liveness value.
 async fn legacy_live(store: &Store, keys: &Keys, region: &str, me: &str) -> Result<bool, StoreError> {
     let set = keys.legacy_region_agents(region);
-    let n: usize = store.cmd(redis::cmd("SCARD").arg(&set)).await?;
+    let n = commands::set_size(store, &set).await?;
     if n > MAX_LOOKED_AT {
         return Ok(true);
     }
-    let agents: Vec<String> = store.cmd(redis::cmd("SMEMBERS").arg(&set)).await?;
+    let agents = commands::members(store, &set).await?;
     let mut values = Vec::with_capacity(agents.len());
     for a in agents.iter().filter(|a| *a != me) {
         // One GET per agent: their keys sit in different Cluster slots.
-        values.push(store.cmd::<Option<String>>(redis::cmd("GET").arg(keys.agent_live(region, a))).await?);
+        values.push(commands::liveness(store, &keys.agent_live(region, a)).await?);
     }
     Ok(legacy_alive(&values))
 }
@@ -187,7 +188,7 @@ pub async fn legacy_fallback(
     allowance: i64,
 ) -> (i64, i64) {
     let key = Keys::fallback_counter(&keys.legacy_quota(tenant, resource), window_start);
-    match store.cmd::<Option<i64>>(redis::cmd("GET").arg(key)).await {
+    match commands::fallback_used(store, &key).await {
         Ok(used) => (window_start, used.unwrap_or(0)),
         Err(_) => (window_start, allowance),
     }

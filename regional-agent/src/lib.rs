@@ -211,11 +211,17 @@
 //!   `/readyz` stay answerable (`quota_shared::listen`, docs/deploying.md
 //!   "Listener limits").
 
+// The acquire future nests the request-id claim, the spend run and the
+// store's bounded call, each with a debug span (`commands`, `scripts`);
+// computing its layout takes more than the default 128 query levels.
+#![recursion_limit = "256"]
+
 pub mod acquire;
 pub mod app;
 pub mod batch;
 pub mod breaker;
 pub mod client;
+pub mod commands;
 pub mod config;
 pub mod epoch;
 pub mod error;
@@ -315,22 +321,14 @@ async fn boot(app: &AppState) {
     let inc_key = app.keys.region_incarnation(&app.settings.region);
     let token = uuid::Uuid::new_v4().simple().to_string();
     for attempt in 0..10u32 {
-        let set: Result<Option<String>, _> =
-            app.store.cmd(redis::cmd("SET").arg(&inc_key).arg(&token).arg("NX")).await;
-        match set {
-            Ok(r) => {
-                if r.is_some() {
+        match commands::claim_region_incarnation(&app.store, &inc_key, &token).await {
+            Ok(missing) => {
+                if missing {
                     tracing::warn!(region = %app.settings.region, "region incarnation key was missing: new region or Redis data loss");
                     app.region_fresh.store(true, Ordering::SeqCst);
                 }
-                let members: Vec<String> = app
-                    .store
-                    .cmd(
-                        redis::cmd("SMEMBERS")
-                            .arg(app.keys.agent_quotas(&app.settings.region, &app.settings.agent)),
-                    )
-                    .await
-                    .unwrap_or_default();
+                let mine = app.keys.agent_quotas(&app.settings.region, &app.settings.agent);
+                let members = commands::members(&app.store, &mine).await.unwrap_or_default();
                 for m in members {
                     if let Some((t, r)) = m.split_once('/') {
                         // No request has used it in this process yet: idle

@@ -34,11 +34,12 @@
 
 use crate::app::App;
 use crate::client::{AllocatorClient, CallError};
+use crate::commands;
 use crate::config::Settings;
 use crate::fallback::LocalFallback;
 use crate::fleet_counts::FleetStatus;
 use crate::identity::Identity;
-use crate::keys::{Keys, Layout, COUNTER_TTL_MS};
+use crate::keys::{Keys, Layout};
 use crate::quotas::{Quota, Quotas};
 use crate::scripts;
 use crate::store::{Store, StoreError};
@@ -259,14 +260,8 @@ pub async fn heartbeat(app: &OutboxParts) {
         Layout::Tenant => crate::legacy::LIVE_TENANT,
         Layout::Legacy => crate::legacy::LIVE_LEGACY,
     };
-    let _: Result<Option<String>, _> = app
-        .store
-        .cmd(redis::cmd("SET").arg(app.keys.agent_live(region, agent)).arg(value).arg("PX").arg(ttl))
-        .await;
-    let set = app.keys.region_agents(region);
-    let _: Result<i64, _> = app.store.cmd(redis::cmd("SADD").arg(&set).arg(agent)).await;
-    // A region nobody runs in any more leaves nothing behind (F04).
-    let _: Result<i64, _> = app.store.cmd(redis::cmd("PEXPIRE").arg(&set).arg(COUNTER_TTL_MS)).await;
+    let live = app.keys.agent_live(region, agent);
+    commands::heartbeat(&app.store, &live, value, ttl, &app.keys.region_agents(region), agent).await;
 }
 
 /// Repeats rounds until every outbox is empty or `deadline` passes (at
@@ -344,7 +339,7 @@ pub async fn drain_all(app: &OutboxParts, ob: &Outboxes, until: Option<Instant>)
     // counters' ttl: a set of an agent id that never comes back expires (F04).
     if !stopped {
         let set = app.keys.agent_quotas(&app.settings.region, &app.settings.agent);
-        let _: Result<i64, _> = app.store.cmd(redis::cmd("PEXPIRE").arg(set).arg(COUNTER_TTL_MS)).await;
+        let _ = commands::keep(&app.store, &set).await;
     }
     left
 }
@@ -356,7 +351,7 @@ pub async fn drain_all(app: &OutboxParts, ob: &Outboxes, until: Option<Instant>)
 /// legacy keys are not looked at again. Returns the entries left.
 async fn sweep_legacy(app: &OutboxParts, ob: &Outboxes, q: &Quota, me: &Sender) -> Result<i64, StoreError> {
     let prefix = app.keys.legacy_quota(&q.tenant, &q.resource);
-    let live: i64 = app.store.cmd(redis::cmd("ZCARD").arg(Keys::lease_index(&prefix))).await?;
+    let live = commands::live_leases(&app.store, &prefix).await?;
     if let (true, Some(p)) = (live > 0, q.policy()) {
         let on = scripts::On { prefix: &prefix, token: "" };
         let by = scripts::Caller { agent: &app.settings.agent, epoch: me.report_epoch };
@@ -397,13 +392,13 @@ async fn drain_list(
         scripts::cut(&app.store, prefix, &s.owner, &uuid::Uuid::new_v4().to_string(), MAX_OUTBOX).await?;
     }
     let ob = Keys::outbox(prefix, &s.owner);
-    let entries: Vec<String> = app.store.cmd(redis::cmd("LRANGE").arg(&ob).arg(0).arg(BATCH - 1)).await?;
+    let entries = commands::list_page(&app.store, &ob, BATCH).await?;
     for raw in entries {
         let entry = match serde_json::from_str::<Entry>(&raw) {
             Ok(e) => e,
             Err(e) => {
                 dead_letter(app, tenant, resource, &s.owner, &raw, 0, "unreadable", &e.to_string()).await;
-                let _: i64 = app.store.cmd(redis::cmd("LREM").arg(&ob).arg(1).arg(&raw)).await?;
+                commands::outbox_remove(&app.store, &ob, &raw).await?;
                 continue;
             }
         };
@@ -454,13 +449,13 @@ async fn drain_list(
                     .unwrap_or_default();
                 // The remainder first: a crash between the two leaves both,
                 // and the old entry splits again into the same id.
-                let _: i64 = app.store.cmd(redis::cmd("LPUSH").arg(&ob).arg(&rest)).await?;
+                commands::outbox_push_front(&app.store, &ob, &rest).await?;
                 dead_letter(app, tenant, resource, &s.owner, &bad_raw, status, &code, &message).await;
             }
         }
-        let _: i64 = app.store.cmd(redis::cmd("LREM").arg(&ob).arg(1).arg(&raw)).await?;
+        commands::outbox_remove(&app.store, &ob, &raw).await?;
     }
-    app.store.cmd(redis::cmd("LLEN").arg(&ob)).await
+    commands::list_len(&app.store, &ob).await
 }
 
 fn refusal(result: &Result<(), CallError>) -> (u16, String, String) {
@@ -549,10 +544,7 @@ async fn dead_letter(
         "message": message,
     });
     let key = app.keys.region_dead_letters(&app.settings.region);
-    let _: Result<i64, _> = app.store.cmd(redis::cmd("LPUSH").arg(&key).arg(letter.to_string())).await;
-    let _: Result<String, _> =
-        app.store.cmd(redis::cmd("LTRIM").arg(&key).arg(0).arg(MAX_DEAD_LETTERS - 1)).await;
-    let _: Result<i64, _> = app.store.cmd(redis::cmd("PEXPIRE").arg(&key).arg(COUNTER_TTL_MS)).await;
+    commands::dead_letter(&app.store, &key, &letter.to_string(), MAX_DEAD_LETTERS).await;
 }
 
 /// The region's dead letters: how many, and the newest `n`.
@@ -563,11 +555,11 @@ pub async fn dead_letters(
     n: isize,
 ) -> Result<(i64, Vec<serde_json::Value>), StoreError> {
     let key = keys.region_dead_letters(region);
-    let count: i64 = store.cmd(redis::cmd("LLEN").arg(&key)).await?;
+    let count = commands::list_len(store, &key).await?;
     if n <= 0 || count == 0 {
         return Ok((count, Vec::new()));
     }
-    let recent: Vec<String> = store.cmd(redis::cmd("LRANGE").arg(&key).arg(0).arg(n - 1)).await?;
+    let recent = commands::list_page(store, &key, n).await?;
     Ok((count, recent.iter().filter_map(|r| serde_json::from_str(r).ok()).collect()))
 }
 
@@ -581,16 +573,15 @@ async fn adopt(app: &OutboxParts, ob: &Outboxes) {
 
 async fn adopt_set(app: &OutboxParts, ob: &Outboxes, set: &str) {
     let (region, me) = (&app.settings.region, &app.settings.agent);
-    let Ok(agents) = app.store.cmd::<Vec<String>>(redis::cmd("SRANDMEMBER").arg(set).arg(ADOPT_AGENTS)).await
-    else {
+    let Ok(agents) = commands::sample(&app.store, set, ADOPT_AGENTS).await else {
         return;
     };
     for dead in agents.into_iter().filter(|a| a != me) {
         if app.cancel.is_cancelled() {
             return;
         }
-        match app.store.cmd::<i64>(redis::cmd("EXISTS").arg(app.keys.agent_live(region, &dead))).await {
-            Ok(0) => {}
+        match commands::is_live(&app.store, &app.keys.agent_live(region, &dead)).await {
+            Ok(false) => {}
             _ => {
                 ob.adopted.lock().unwrap().remove(&dead);
                 continue;
@@ -606,11 +597,10 @@ async fn adopt_set(app: &OutboxParts, ob: &Outboxes, set: &str) {
 async fn adopt_one(app: &OutboxParts, ob: &Outboxes, dead: &str, set: &str) -> Result<(), StoreError> {
     let region = &app.settings.region;
     let quota_set = app.keys.agent_quotas(region, dead);
-    let quotas: Vec<String> =
-        app.store.cmd(redis::cmd("SRANDMEMBER").arg(&quota_set).arg(ADOPT_QUOTAS)).await?;
+    let quotas = commands::sample(&app.store, &quota_set, ADOPT_QUOTAS).await?;
     if quotas.is_empty() {
         // Its quota set expired (or it never held a quota): nothing is left.
-        let _: i64 = app.store.cmd(redis::cmd("SREM").arg(set).arg(dead)).await?;
+        commands::leave(&app.store, set, dead).await?;
         ob.adopted.lock().unwrap().remove(dead);
         return Ok(());
     }
@@ -618,14 +608,14 @@ async fn adopt_one(app: &OutboxParts, ob: &Outboxes, dead: &str, set: &str) -> R
     for m in &quotas {
         let Some((t, r)) = m.split_once('/') else { continue };
         for prefix in app.keys.quota_prefixes(t, r) {
-            let n: i64 = app.store.cmd(redis::cmd("LLEN").arg(Keys::outbox(&prefix, dead))).await?;
+            let n = commands::list_len(&app.store, &Keys::outbox(&prefix, dead)).await?;
             if n > 0 {
                 lists.push((prefix, t.to_string(), r.to_string()));
             }
         }
     }
     if lists.is_empty() {
-        let all: i64 = app.store.cmd(redis::cmd("SCARD").arg(&quota_set)).await?;
+        let all = commands::set_size(&app.store, &quota_set).await?;
         let quiet_since = {
             let mut a = ob.adopted.lock().unwrap();
             if a.len() >= MAX_ADOPTED && !a.contains_key(dead) {
@@ -635,7 +625,7 @@ async fn adopt_one(app: &OutboxParts, ob: &Outboxes, dead: &str, set: &str) -> R
             *e.1.get_or_insert_with(Instant::now)
         };
         if all as usize <= ADOPT_QUOTAS && quiet_since.elapsed() >= ADOPT_QUIET {
-            let _: i64 = app.store.cmd(redis::cmd("SREM").arg(set).arg(dead)).await?;
+            commands::leave(&app.store, set, dead).await?;
             ob.adopted.lock().unwrap().remove(dead);
             tracing::info!(agent = %dead, "a gone agent's outboxes stayed empty; it left the region's agent set");
         }

@@ -15,7 +15,6 @@
 
 use crate::batch::SpendQueue;
 use crate::identity::Identity;
-use crate::keys::Keys;
 use crate::scripts::{Bucket, LossCause, Outcome, View};
 use crate::store::Store;
 use quota_shared::prom::Registry;
@@ -255,8 +254,7 @@ impl Quota {
     /// Reads the policy other replicas cached in Redis; keeps it unless
     /// the one known is as new.
     pub async fn load_policy(&self, store: &Store) -> Option<PolicyInfo> {
-        let m: HashMap<String, String> =
-            store.cmd(redis::cmd("HGETALL").arg(Keys::policy(&self.prefix))).await.ok()?;
+        let m = crate::commands::policy_read(store, &self.prefix).await.ok()?;
         let p = PolicyInfo::from_fields(&m)?;
         let mut cur = self.policy.lock().unwrap();
         if cur.is_none_or(|c| c.version < p.version) {
@@ -279,12 +277,7 @@ impl Quota {
             changed
         };
         if changed {
-            let mut cmd = redis::cmd("HSET");
-            cmd.arg(Keys::policy(&self.prefix));
-            for (k, v) in p.to_fields() {
-                cmd.arg(k).arg(v);
-            }
-            let _: Result<i64, _> = store.cmd(&cmd).await;
+            let _ = crate::commands::policy_write(store, &self.prefix, &p.to_fields()).await;
         }
     }
 }

@@ -17,6 +17,7 @@
 use crate::app::{AllocatorClock, App};
 use crate::breaker::backoff;
 use crate::client::{AllocatorClient, CallError};
+use crate::commands;
 use crate::config::Settings;
 use crate::identity::Identity;
 use crate::keys::Keys;
@@ -125,7 +126,7 @@ pub async fn run(app: Renewer, q: Arc<Quota>) {
         // Only a quota that exists goes into the agent's quota set (which a
         // restart reloads): a name the allocator does not know leaves nothing.
         if !registered && q.policy().is_some() {
-            registered = app.store.cmd::<i64>(redis::cmd("SADD").arg(&registry).arg(&member)).await.is_ok();
+            registered = commands::join(&app.store, &registry, &member).await.is_ok();
         }
         if let Err(e) = renew_once(&app, &q).await {
             tracing::debug!(tenant = %q.tenant, resource = %q.resource, error = %e, "renewal round failed");
@@ -135,7 +136,7 @@ pub async fn run(app: Renewer, q: Arc<Quota>) {
         // the quota before the next tick (a restart or an adopter finds the
         // outbox through it).
         if !registered && q.policy().is_some() {
-            registered = app.store.cmd::<i64>(redis::cmd("SADD").arg(&registry).arg(&member)).await.is_ok();
+            registered = commands::join(&app.store, &registry, &member).await.is_ok();
         }
         let idle_for = q.last_used.lock().unwrap().elapsed();
         if idle_for > IDLE_EVICT && retire_if_idle(&app, &q, &registry, &member).await {
@@ -165,15 +166,15 @@ async fn retire_if_idle(app: &Renewer, q: &Arc<Quota>, registry: &str, member: &
         return false;
     }
     let ob = Keys::outbox(&q.prefix, &app.settings.agent);
-    let outbox: Result<i64, _> = app.store.cmd(redis::cmd("LLEN").arg(&ob)).await;
-    let uncut: Result<i64, _> = app.store.cmd(redis::cmd("SCARD").arg(Keys::dirty(&q.prefix))).await;
+    let outbox = commands::list_len(&app.store, &ob).await;
+    let uncut = commands::uncut_windows(&app.store, &q.prefix).await;
     if !matches!((outbox, uncut), (Ok(0), Ok(0))) {
         return false;
     }
     if !app.quotas.remove(q) {
         return true;
     }
-    let _: Result<i64, _> = app.store.cmd(redis::cmd("SREM").arg(registry).arg(member)).await;
+    let _ = commands::leave(&app.store, registry, member).await;
     tracing::info!(tenant = %q.tenant, resource = %q.resource, "idle quota left the registry");
     true
 }
@@ -313,12 +314,9 @@ where
     F: FnOnce(Renewer, Arc<Quota>) -> Fut,
     Fut: std::future::Future<Output = ()>,
 {
-    let lock = Keys::renew_lock(&q.prefix);
     let holder = format!("{}:{}", app.settings.agent, uuid::Uuid::new_v4().simple());
     let ttl = (app.settings.allocator_timeout * 3).as_millis() as u64 + 500;
-    let got: Option<String> =
-        app.store.cmd(redis::cmd("SET").arg(&lock).arg(&holder).arg("NX").arg("PX").arg(ttl)).await?;
-    if got.is_none() {
+    if !commands::take_renew_lock(&app.store, &q.prefix, &holder, ttl).await? {
         return Ok(false);
     }
     f(app.clone(), q.clone()).await;
@@ -436,10 +434,7 @@ async fn credit(
             // a second, since releases can refill the pool.
             let retry = g.retry_after_ms.unwrap_or(1000).max(1);
             let ttl = retry.min(1000);
-            let _: Result<Option<String>, _> = app
-                .store
-                .cmd(redis::cmd("SET").arg(Keys::exhausted(&q.prefix)).arg(retry).arg("PX").arg(ttl))
-                .await;
+            let _ = commands::mark_exhausted(&app.store, &q.prefix, retry, ttl).await;
         }
         return "empty";
     }

@@ -365,7 +365,7 @@ pub(crate) async fn decide(
                 // retried with the same id and another cost.
                 let key =
                     app.keys.request_id_claim(&req.tenant, req.request_id.as_deref().unwrap_or_default());
-                let _: std::result::Result<i64, _> = app.store.cmd(redis::cmd("DEL").arg(key)).await;
+                let _ = crate::commands::forget_request_id(&app.store, &key).await;
             }
             return Err(r);
         }
@@ -574,11 +574,8 @@ async fn claim_request_id(
     let key = app.keys.request_id_claim(&req.tenant, rid);
     let value = req.claim();
     let ttl = request_id_ttl_ms(app, p);
-    let old: Option<String> = app
-        .store
-        .cmd(redis::cmd("SET").arg(&key).arg(&value).arg("NX").arg("GET").arg("PX").arg(ttl))
-        .await
-        .map_err(ClaimError::Store)?;
+    let old =
+        crate::commands::claim_request_id(&app.store, &key, &value, ttl).await.map_err(ClaimError::Store)?;
     match old {
         None => Ok(true),
         Some(o) if o == value => Ok(false),
