@@ -7,10 +7,10 @@
 use crate::app::AppState;
 use crate::error::{Error, Result};
 use crate::quotas::PolicyInfo;
-use crate::spend::{
-    decide, visible_ascii, Acquire, Paid, ResourceCost, MAX_COST, MAX_KEY_LEN, MAX_REQUEST_ID_LEN,
-    MAX_RESOURCES,
+use crate::request::{
+    visible_ascii, Acquire, Paid, ResourceCost, MAX_COST, MAX_KEY_LEN, MAX_REQUEST_ID_LEN, MAX_RESOURCES,
 };
+use crate::spend::decide;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
@@ -238,7 +238,7 @@ pub(crate) async fn acquire(
         Err((e, at)) => {
             let shown = match at {
                 Some(i) => {
-                    let (remaining, key_remaining) = crate::spend::refusal_shown(&e);
+                    let (remaining, key_remaining) = crate::request::refusal_shown(&e);
                     (i, remaining, key_remaining)
                 }
                 None => (0, Some(0), None),

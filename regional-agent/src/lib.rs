@@ -28,6 +28,11 @@
 //!   Lua script of `lua/*.lua` (KEYS and ARGV order, reply shape): typed
 //!   calls `spend`, `view`, `credit`, `cut`, `fence`, `unlock`, each a span;
 //!   a changed incarnation comes back as one `Lost` outcome.
+//! * [`commands`]: every plain Redis command (request-id claims,
+//!   heartbeats, adoption, outbox pages, dead letters, renew lock, policy
+//!   cache, the store's health), typed, each a span; a test keeps
+//!   `redis::cmd` out of the other modules, and `keys::suffix` holds the
+//!   key suffixes the Lua scripts append (checked against them by a test).
 //! * [`store`]: the Redis connection (single, cluster or through Sentinel),
 //!   timeouts, the store's health for `/readyz`.
 //! * [`sentinel`]: the primary found through Sentinel, looked up again
@@ -45,9 +50,16 @@
 //!   Redis, demand, incarnation; `Quota::settle`, the one handling of a
 //!   changed incarnation).
 //! * [`acquire`]: `POST /v1/acquire`: its body, validation and answer.
+//! * [`request`]: the request model shared by HTTP and RLS (`Acquire`,
+//!   `ResourceCost`, `Shadow`, `Paid`, `Decided`, `Refused`).
 //! * [`spend`]: the decision (I5, I2, fallback, I6) over one quota or
-//!   several of a tenant, and its rule `step` (admit, wait for a renewal,
-//!   fallback, 429 or 503), per-key limits and shadow mode.
+//!   several of a tenant: learn the policies, check costs and keys, claim
+//!   the request id, run the spend script and wait as [`step`] says.
+//! * [`step`]: the pure rule of a request that found no token (sleep for
+//!   a next-window lease, wait for a renewal, fallback, 429 or 503).
+//! * [`request_id`]: the tenant-wide claim of a `request_id`.
+//! * [`shadow`]: shadow mode (`enforce: false`): a refusal becomes an
+//!   admit that debits nothing, counted for the report.
 //! * [`headers`]: the `RateLimit` headers of the most restrictive limit.
 //! * [`batch`]: concurrent decisions on one quota share one script run.
 //! * [`renew`]: the background renewer (DESIGN §4), crediting (I5, I4).
@@ -240,11 +252,15 @@ pub mod plan;
 pub mod quotas;
 pub mod redis_tls;
 pub mod renew;
+pub mod request;
+pub mod request_id;
 pub mod rls;
 pub mod scripts;
 pub mod sentinel;
+pub mod shadow;
 pub mod spend;
 pub mod status_report;
+pub mod step;
 pub mod store;
 
 pub use crate::app::{App, AppState};

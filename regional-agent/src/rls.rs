@@ -33,7 +33,8 @@ use crate::app::AppState;
 use crate::config::RlsMapping as Mapping;
 use crate::error::{Error, PolicyRefusal};
 use crate::quotas::PolicyInfo;
-use crate::spend::{self, Acquire, Decided, ResourceCost};
+use crate::request::{self, Acquire, Decided, ResourceCost};
+use crate::spend;
 use envoy_types::pb::envoy::config::core::v3::HeaderValue;
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit;
@@ -102,7 +103,7 @@ pub struct Read {
     /// The principal the descriptors name, if any.
     pub key: Option<String>,
     /// The first descriptor whose quota's added cost is above
-    /// [`spend::MAX_COST`]: no quota admits it, refused without a decision.
+    /// [`request::MAX_COST`]: no quota admits it, refused without a decision.
     pub too_costly: Option<usize>,
 }
 
@@ -156,14 +157,14 @@ pub fn read(req: &RateLimitRequest, m: &Mapping) -> Result<Read, String> {
         };
         read.of.push(Some(at));
     }
-    if read.wants.len() > spend::MAX_RESOURCES {
+    if read.wants.len() > request::MAX_RESOURCES {
         return Err(format!(
             "at most {} distinct quotas per request, got {}",
-            spend::MAX_RESOURCES,
+            request::MAX_RESOURCES,
             read.wants.len()
         ));
     }
-    if let Some(w) = read.wants.iter().position(|(_, c)| *c > spend::MAX_COST) {
+    if let Some(w) = read.wants.iter().position(|(_, c)| *c > request::MAX_COST) {
         read.too_costly = read.of.iter().position(|o| *o == Some(w));
     }
     Ok(read)
@@ -185,11 +186,11 @@ fn entries(d: &RateLimitDescriptor, m: &Mapping) -> Result<(Option<String>, Opti
                 .map_err(|err| format!("{} {} {err}", e.key, echo(&e.value)))?;
             resource = Some(e.value.clone());
         } else if e.key == m.key_entry {
-            if !spend::visible_ascii(&e.value, spend::MAX_KEY_LEN) {
+            if !request::visible_ascii(&e.value, request::MAX_KEY_LEN) {
                 return Err(format!(
                     "{} must be 1 to {} visible ASCII characters",
                     e.key,
-                    spend::MAX_KEY_LEN
+                    request::MAX_KEY_LEN
                 ));
             }
             key = Some(e.value.clone());
@@ -398,7 +399,7 @@ fn headers(read: &Read, o: &Outcome) -> Vec<HeaderValue> {
             );
         }
         Some(Err((e, at))) => {
-            let (r, k) = spend::refusal_shown(e);
+            let (r, k) = request::refusal_shown(e);
             crate::headers::rate_limit_headers(&mut h, &name(at), o.policies.get(at).copied(), r, k, o.now);
             retry = e.retry_after_s();
         }
@@ -623,7 +624,7 @@ mod tests {
 
     #[test]
     fn a_cost_no_quota_admits_is_marked_for_a_refusal_not_an_error() {
-        let big = spend::MAX_COST as u64;
+        let big = request::MAX_COST as u64;
         let r = read(
             &req(
                 "atlas",
