@@ -5,7 +5,7 @@
 //! same decision over gRPC.
 
 use crate::app::AppState;
-use crate::error::{Error, Result};
+use crate::error::{Error, ErrorAnswer, Result};
 use crate::quotas::PolicyInfo;
 use crate::request::{
     visible_ascii, Acquire, Paid, ResourceCost, MAX_COST, MAX_KEY_LEN, MAX_REQUEST_ID_LEN, MAX_RESOURCES,
@@ -18,9 +18,8 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Json, Router};
-use chrono::{TimeZone, Utc};
-use serde::Deserialize;
-use serde_json::json;
+use chrono::{DateTime, TimeZone, Utc};
+use serde::{Deserialize, Serialize};
 use std::time::Instant;
 use tracing::field::Empty;
 
@@ -155,14 +154,14 @@ fn parse(body: std::result::Result<Bytes, BytesRejection>) -> Result<Acquire> {
     path = "/v1/acquire",
     request_body = AcquireRequest,
     responses(
-        (status = 200, description = "Admitted: {allowed: true, source: lease|fallback, window_start, remaining, key_remaining (with a per-key limit: whole tokens left in the key's bucket), shadow_refused (a policy in shadow mode: true where an enforced one would answer 429; then source is shadow and limit names what would have refused)}; with `resources`, also results: [{resource, source, window_start, remaining, key_remaining?, shadow_refused?, limit?}] in the request's order, the top-level fields then being those of the quota with the fewest tokens left; carries RateLimit-Policy and RateLimit for the most restrictive limit"),
-        (status = 400, description = "Malformed JSON", body = quota_shared::wire::ErrorBody),
-        (status = 404, description = "unknown_quota: the allocator has no policy for it", body = quota_shared::wire::ErrorBody),
-        (status = 413, description = "payload_too_large: the body is over 64 KiB", body = quota_shared::wire::ErrorBody),
-        (status = 422, description = "Invalid value; the message names the field (also: key missing for a quota with a per-key limit, cost above its burst, both or neither of resource and resources, a quota named twice)", body = quota_shared::wire::ErrorBody),
-        (status = 409, description = "request_id_mismatch: the request_id was first used with other resources or costs (tenant-wide, until its window ends)", body = quota_shared::wire::ErrorBody),
-        (status = 429, description = "quota_exhausted (limit: the resource; only when the allocator said the pool is empty) or per_key_limited (limit: per_key; the key's bucket holds less than the cost, Retry-After from its refill), with allowed: false, resource (the quota that refused; nothing was debited on any), retry_after_s, Retry-After, RateLimit-Policy and RateLimit"),
-        (status = 503, description = "allocator_unreachable (strict mode) or store_unavailable, with Retry-After"),
+        (status = 200, description = "Admitted: the top-level fields are those of the quota with the fewest tokens left; with `resources`, also `results` in the request's order; carries RateLimit-Policy and RateLimit for the most restrictive limit", body = Admitted),
+        (status = 400, description = "Malformed JSON", body = ErrorAnswer),
+        (status = 404, description = "unknown_quota: the allocator has no policy for it", body = ErrorAnswer),
+        (status = 413, description = "payload_too_large: the body is over 64 KiB", body = ErrorAnswer),
+        (status = 422, description = "Invalid value; the message names the field (also: key missing for a quota with a per-key limit, cost above its burst, both or neither of resource and resources, a quota named twice)", body = ErrorAnswer),
+        (status = 409, description = "request_id_mismatch: the request_id was first used with other resources or costs (tenant-wide, until its window ends)", body = ErrorAnswer),
+        (status = 429, description = "quota_exhausted (limit: the resource; only when the allocator said the pool is empty) or per_key_limited (limit: per_key; the key's bucket holds less than the cost, Retry-After from its refill); nothing was debited on any quota; with Retry-After, RateLimit-Policy and RateLimit", body = ErrorAnswer),
+        (status = 503, description = "allocator_unreachable (strict mode) or store_unavailable, with Retry-After", body = ErrorAnswer),
     ),
     tag = "agent"
 )]
@@ -198,25 +197,18 @@ pub(crate) async fn acquire(
     // The quota the headers describe, its balance and its key's.
     let (outcome, shown, mut resp) = match result {
         Ok(d) => {
-            let results: Vec<serde_json::Value> = d
+            let results: Vec<AdmittedPart> = d
                 .parts
                 .iter()
                 .enumerate()
-                .map(|(i, p)| part_json(&req.wants[i].resource, p, &policies, i))
+                .map(|(i, p)| AdmittedPart::of(&req.wants[i].resource, p, policies.get(i).copied()))
                 .collect();
             // The top level: the quota with the fewest tokens left (the
             // one a client backs off for first).
             let top = (0..d.parts.len())
                 .min_by_key(|&i| (d.parts[i].shadow.is_some(), d.parts[i].admit.remaining))
                 .unwrap_or(0);
-            let mut body = results.get(top).cloned().unwrap_or_else(|| json!({}));
-            if let Some(o) = body.as_object_mut() {
-                o.remove("resource");
-            }
-            body["allowed"] = json!(true);
-            if req.multi {
-                body["results"] = json!(results);
-            }
+            let body = Admitted::new(&results, top, req.multi);
             let sources: Vec<&str> = d.parts.iter().map(|p| p.outcome()).collect();
             let outcome = if sources.contains(&"shadow_refused") {
                 "shadow_refused"
@@ -268,25 +260,88 @@ fn count(app: &AppState, name: &str, policy: Option<PolicyInfo>, outcome: &str) 
     app.fleet_status.count(name, policy, outcome, app.allocator_now());
 }
 
-/// One quota's part of an admit's body.
-fn part_json(resource: &str, p: &Paid, policies: &[PolicyInfo], i: usize) -> serde_json::Value {
-    let a = &p.admit;
-    let mut v = json!({
-        "resource": resource,
-        "source": a.source,
-        "window_start": Utc.timestamp_opt(a.window_start, 0).single().unwrap_or_default(),
-        "remaining": a.remaining,
-    });
-    if let Some(k) = a.key_remaining {
-        v["key_remaining"] = json!(k);
+/// One quota's part of a `200` (`results[i]`, in the request's order).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct AdmittedPart {
+    pub resource: String,
+    /// `lease`, `fallback` (the region's fallback allowance, the allocator
+    /// being unreachable) or `shadow` (a shadow-mode policy's refusal,
+    /// admitted anyway).
+    pub source: String,
+    pub window_start: DateTime<Utc>,
+    /// The region's lease balance of the quota after this admit.
+    pub remaining: i64,
+    /// With a per-key limit: whole tokens left in the key's bucket.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key_remaining: Option<i64>,
+    /// A policy in shadow mode: whether an enforced one would answer 429.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shadow_refused: Option<bool>,
+    /// After a shadow refusal: what would have refused (the resource, or
+    /// `per_key`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub limit: Option<String>,
+}
+
+impl AdmittedPart {
+    fn of(resource: &str, p: &Paid, policy: Option<PolicyInfo>) -> AdmittedPart {
+        let a = &p.admit;
+        AdmittedPart {
+            resource: resource.to_string(),
+            source: a.source.clone(),
+            window_start: Utc.timestamp_opt(a.window_start, 0).single().unwrap_or_default(),
+            remaining: a.remaining,
+            key_remaining: a.key_remaining,
+            shadow_refused: policy.is_some_and(|p| !p.enforce).then_some(p.shadow.is_some()),
+            limit: p.shadow.map(|s| s.limit(resource).to_string()),
+        }
     }
-    if policies.get(i).is_some_and(|p| !p.enforce) {
-        v["shadow_refused"] = json!(p.shadow.is_some());
+}
+
+/// `200` on `POST /v1/acquire`: admitted. The top-level fields are those
+/// of the quota with the fewest tokens left; with `resources`, `results`
+/// lists every quota.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct Admitted {
+    /// Always `true` (a refusal is a 429).
+    pub allowed: bool,
+    pub source: String,
+    pub window_start: DateTime<Utc>,
+    pub remaining: i64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key_remaining: Option<i64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shadow_refused: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub limit: Option<String>,
+    /// With `resources`: one part per quota, in the request's order.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub results: Option<Vec<AdmittedPart>>,
+}
+
+impl Admitted {
+    /// The answer whose top level is part `top` of `parts`.
+    fn new(parts: &[AdmittedPart], top: usize, multi: bool) -> Admitted {
+        let t = parts.get(top).cloned().unwrap_or_else(|| AdmittedPart {
+            resource: String::new(),
+            source: "lease".into(),
+            window_start: DateTime::<Utc>::default(),
+            remaining: 0,
+            key_remaining: None,
+            shadow_refused: None,
+            limit: None,
+        });
+        Admitted {
+            allowed: true,
+            source: t.source,
+            window_start: t.window_start,
+            remaining: t.remaining,
+            key_remaining: t.key_remaining,
+            shadow_refused: t.shadow_refused,
+            limit: t.limit,
+            results: multi.then(|| parts.to_vec()),
+        }
     }
-    if let Some(s) = p.shadow {
-        v["limit"] = json!(s.limit(resource));
-    }
-    v
 }
 
 #[cfg(test)]
@@ -328,5 +383,32 @@ mod parse_tests {
             assert_eq!(field_of(body), field, "{body}");
         }
         assert!(matches!(parse(Ok(Bytes::from_static(b"{not json"))), Err(Error::MalformedJson(_))));
+    }
+
+    fn part(resource: &str, remaining: i64) -> AdmittedPart {
+        AdmittedPart {
+            resource: resource.into(),
+            source: "lease".into(),
+            window_start: Utc.timestamp_opt(3600, 0).unwrap(),
+            remaining,
+            key_remaining: None,
+            shadow_refused: None,
+            limit: None,
+        }
+    }
+
+    #[test]
+    fn an_admit_shows_its_top_part_without_a_resource_and_lists_parts_only_for_resources() {
+        let parts = [part("a", 5), part("b", 2)];
+        let single = serde_json::to_value(Admitted::new(&parts[..1], 0, false)).unwrap();
+        assert_eq!(
+            single,
+            serde_json::json!({"allowed": true, "source": "lease", "window_start": "1970-01-01T01:00:00Z", "remaining": 5})
+        );
+        let multi = serde_json::to_value(Admitted::new(&parts, 1, true)).unwrap();
+        assert_eq!(multi["remaining"], 2);
+        assert!(multi.get("resource").is_none(), "{multi}");
+        assert_eq!(multi["results"][0]["resource"], "a");
+        assert_eq!(multi["results"][1]["resource"], "b");
     }
 }

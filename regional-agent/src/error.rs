@@ -10,7 +10,6 @@ use axum::http::{HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use rand::Rng;
-use serde_json::json;
 
 /// Why a policy can never admit a request as sent.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -150,25 +149,54 @@ pub fn retry_after_secs(ms: i64) -> i64 {
     base + rand::rng().random_range(0..=1)
 }
 
+/// The body of a `429` on `POST /v1/acquire` (and of every other error,
+/// without the refusal's fields): what refused, and when to come back.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize, utoipa::ToSchema)]
+pub struct ErrorAnswer {
+    /// The error code (`quota_exhausted`, `per_key_limited`, ...).
+    pub error: String,
+    pub message: String,
+    /// The field at fault (`invalid_field`, a policy's refusal).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub field: Option<String>,
+    /// `false` on a 429: nothing was debited on any quota.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub allowed: Option<bool>,
+    /// The quota that refused (429).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resource: Option<String>,
+    /// What refused (429): the resource's name for its pool, `per_key`
+    /// for the key's bucket.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub limit: Option<String>,
+    /// Seconds until a retry may succeed (429), as in `Retry-After`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retry_after_s: Option<i64>,
+}
+
 impl IntoResponse for Error {
     fn into_response(self) -> Response {
         let status = self.status_code();
         let retry = self.retry_after_s();
-        let mut body = json!({"error": self.code(), "message": self.to_string()});
         let (limit, resource) = match &self {
-            Error::Exhausted { resource, .. } => (Some(resource.as_str()), Some(resource)),
-            Error::KeyLimited { resource, .. } => (Some("per_key"), Some(resource)),
+            Error::Exhausted { resource, .. } => (Some(resource.clone()), Some(resource.clone())),
+            Error::KeyLimited { resource, .. } => (Some("per_key".to_string()), Some(resource.clone())),
             _ => (None, None),
         };
-        if let Error::InvalidField { field, .. } | Error::PolicyRefuses { field, .. } = &self {
-            body["field"] = json!(field);
-        }
-        if let Some(limit) = limit {
-            body["allowed"] = json!(false);
-            body["retry_after_s"] = json!(retry);
-            body["limit"] = json!(limit);
-            body["resource"] = json!(resource);
-        }
+        let field = match &self {
+            Error::InvalidField { field, .. } | Error::PolicyRefuses { field, .. } => Some(field.clone()),
+            _ => None,
+        };
+        let refused = limit.is_some();
+        let body = ErrorAnswer {
+            error: self.code().to_string(),
+            message: self.to_string(),
+            field,
+            allowed: refused.then_some(false),
+            resource,
+            limit,
+            retry_after_s: if refused { retry } else { None },
+        };
         let mut resp = (status, Json(body)).into_response();
         if let Some(s) = retry {
             resp.headers_mut().insert("retry-after", HeaderValue::from(s));

@@ -38,6 +38,21 @@ async fn openapi_documents_exactly_the_agent_routes_and_each_is_served() {
     let expected: BTreeSet<(String, String)> =
         ROUTES.iter().map(|(m, p)| (m.to_string(), p.to_string())).collect();
     assert_eq!(documented, expected);
+    // The acquire answers are typed: their schemas come from the structs
+    // the handler serializes, and the 200 names the fields it sends.
+    let responses = &doc["paths"]["/v1/acquire"]["post"]["responses"];
+    let schema_of = |status: &str| responses[status]["content"]["application/json"]["schema"]["$ref"].clone();
+    assert_eq!(schema_of("200"), json!("#/components/schemas/Admitted"), "{responses}");
+    assert_eq!(schema_of("429"), json!("#/components/schemas/ErrorAnswer"), "{responses}");
+    let admitted = &doc["components"]["schemas"]["Admitted"]["properties"];
+    for field in ["allowed", "source", "window_start", "remaining", "key_remaining", "results"] {
+        assert!(admitted.get(field).is_some(), "Admitted lacks {field}: {admitted}");
+    }
+    let admit =
+        a.http.post("/v1/acquire", &json!({"tenant": "atlas", "resource": "read"})).await.expect(200).body;
+    for field in admit.as_object().unwrap().keys() {
+        assert!(admitted.get(field).is_some(), "the answer's {field} is not in the schema: {admit}");
+    }
 
     for (method, path) in ROUTES {
         let r = match *method {
