@@ -397,13 +397,37 @@ pub async fn run(
     app: AppState,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    boot(&app).await;
+    let outbox = start_tasks(&app).await;
+    let servers = Servers::start(&app, listener, grpc);
+    // The phases of a stop, each with its own deadline: requests, then the
+    // background tasks, then the last outbox drain.
+    let served = servers.stop_after(shutdown).await;
+    stop_tasks(&app).await;
+    final_drain(&outbox).await;
+    match served {
+        Ok(r) => r,
+        Err(e) if e.is_cancelled() => Ok(()),
+        Err(e) => Err(std::io::Error::other(format!("server task failed: {e}"))),
+    }
+}
+
+/// The outbox's parts kept past the tasks for the final drain.
+struct OutboxKeep {
+    parts: OutboxParts,
+    outboxes: Arc<Outboxes>,
+}
+
+/// Start-up before serving, then every background task: the boot look at
+/// Redis, the eviction policy, the heartbeat and the legacy gate (so the
+/// first request is decided on them), then the tasks of `app`'s task list.
+async fn start_tasks(app: &AppState) -> OutboxKeep {
+    boot(app).await;
     // Read the eviction policy before serving, so a correctly configured
     // Redis admits from the first request (see `guard`).
     guard::check(&app.store, &app.guard, &app.metrics).await;
     // Each task gets handles on the parts it uses; `app` keeps owning them.
-    let outbox_parts = OutboxParts::of(&app);
-    outbox::heartbeat(&outbox_parts).await;
+    let parts = OutboxParts::of(app);
+    outbox::heartbeat(&parts).await;
     // The legacy gate before the first request (no fallback until looked).
     let live_ttl = outbox::live_ttl(app.settings.outbox_interval).as_millis() as i64;
     let (region, me) = (app.settings.region.clone(), app.settings.agent.clone());
@@ -426,60 +450,85 @@ pub async fn run(
         let every = app.settings.redis_policy_check;
         async move { guard::run(&store, &guard, &metrics, every, &cancel).await }
     });
-    app.spawn(epoch::run(Registrar::of(&app)));
-    app.spawn(outbox::run(outbox_parts.clone(), outboxes.clone()));
+    app.spawn(epoch::run(Registrar::of(app)));
+    app.spawn(outbox::run(parts.clone(), outboxes.clone()));
     if let Some(every) = app.settings.status_interval {
-        app.spawn(status_report::run(Reporter::of(&app), every));
+        app.spawn(status_report::run(Reporter::of(app), every));
     }
-    // Envoy's rate limit service, when asked for (`--grpc-listen`).
-    let grpc_stop = tokio_util::sync::CancellationToken::new();
-    let grpc = grpc.map(|l| {
-        let mapping = app.settings.rls.clone();
-        tokio::spawn(rls::serve(app.clone(), mapping, l, grpc_stop.clone()))
-    });
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    // Set when the shutdown signal arrives: in-flight HTTP and gRPC calls
-    // share one deadline.
-    let stopping_at = Arc::new(std::sync::OnceLock::<tokio::time::Instant>::new());
-    let requests_deadline = {
-        let at = stopping_at.clone();
-        move || *at.get_or_init(|| tokio::time::Instant::now() + SHUTDOWN_REQUESTS)
-    };
-    let routes = router(app.clone());
-    let plain = move |tcp, _| std::future::ready(Some((tcp, routes.clone())));
-    let mut server = tokio::spawn(quota_shared::listen::http::serve(
-        listener,
-        app.settings.http_limits,
-        listener_metrics(&app, "http"),
-        plain,
-        async move {
-            let _ = stop_rx.await;
-        },
-    ));
-    let served = tokio::select! {
-        r = &mut server => r,
-        _ = shutdown => {
-            let _ = stop_tx.send(());
-            grpc_stop.cancel();
-            match tokio::time::timeout_at(requests_deadline(), &mut server).await {
-                Ok(r) => r,
-                Err(_) => {
-                    tracing::warn!(deadline_ms = SHUTDOWN_REQUESTS.as_millis() as u64,
-                        "in-flight requests cut at the shutdown deadline");
-                    server.abort();
-                    Ok(Ok(()))
+    OutboxKeep { parts, outboxes }
+}
+
+/// The HTTP server and, with `--grpc-listen`, Envoy's rate limit service.
+struct Servers {
+    http: JoinHandle<std::io::Result<()>>,
+    http_stop: tokio::sync::oneshot::Sender<()>,
+    grpc: Option<JoinHandle<()>>,
+    grpc_stop: tokio_util::sync::CancellationToken,
+}
+
+impl Servers {
+    fn start(app: &AppState, listener: TcpListener, grpc: Option<TcpListener>) -> Servers {
+        let grpc_stop = tokio_util::sync::CancellationToken::new();
+        let grpc = grpc.map(|l| {
+            let mapping = app.settings.rls.clone();
+            tokio::spawn(rls::serve(app.clone(), mapping, l, grpc_stop.clone()))
+        });
+        let (http_stop, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let routes = router(app.clone());
+        let plain = move |tcp, _| std::future::ready(Some((tcp, routes.clone())));
+        let http = tokio::spawn(quota_shared::listen::http::serve(
+            listener,
+            app.settings.http_limits,
+            listener_metrics(app, "http"),
+            plain,
+            async move {
+                let _ = stop_rx.await;
+            },
+        ));
+        Servers { http, http_stop, grpc, grpc_stop }
+    }
+
+    /// Serves until `shutdown` (or until the HTTP server ends by itself),
+    /// then stops both servers: in-flight HTTP and gRPC calls share one
+    /// deadline, [`SHUTDOWN_REQUESTS`] from the signal.
+    async fn stop_after(
+        mut self,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<std::io::Result<()>, tokio::task::JoinError> {
+        let mut deadline = None;
+        let served = tokio::select! {
+            r = &mut self.http => r,
+            _ = shutdown => {
+                let at = *deadline.insert(tokio::time::Instant::now() + SHUTDOWN_REQUESTS);
+                let _ = self.http_stop.send(());
+                self.grpc_stop.cancel();
+                match tokio::time::timeout_at(at, &mut self.http).await {
+                    Ok(r) => r,
+                    Err(_) => {
+                        tracing::warn!(deadline_ms = SHUTDOWN_REQUESTS.as_millis() as u64,
+                            "in-flight requests cut at the shutdown deadline");
+                        self.http.abort();
+                        Ok(Ok(()))
+                    }
                 }
             }
+        };
+        self.grpc_stop.cancel();
+        if let Some(mut g) = self.grpc {
+            // The same deadline as the HTTP server's: both stop in parallel.
+            let at = deadline.unwrap_or_else(|| tokio::time::Instant::now() + SHUTDOWN_REQUESTS);
+            if tokio::time::timeout_at(at, &mut g).await.is_err() {
+                tracing::warn!("in-flight gRPC calls cut at the shutdown deadline");
+                g.abort();
+            }
         }
-    };
-    grpc_stop.cancel();
-    if let Some(mut g) = grpc {
-        // The same deadline as the HTTP server's: both stop in parallel.
-        if tokio::time::timeout_at(requests_deadline(), &mut g).await.is_err() {
-            tracing::warn!("in-flight gRPC calls cut at the shutdown deadline");
-            g.abort();
-        }
+        served
     }
+}
+
+/// Cancels the background tasks and waits for them, at most
+/// [`SHUTDOWN_TASKS`]; what is still running then is aborted.
+async fn stop_tasks(app: &AppState) {
     app.cancel.cancel();
     let tasks = app.take_tasks();
     let aborts: Vec<_> = tasks.iter().map(|t| t.abort_handle()).collect();
@@ -489,19 +538,21 @@ pub async fn run(
             a.abort();
         }
     }
-    let left =
-        tokio::time::timeout(SHUTDOWN_DRAIN, outbox::final_drain(&outbox_parts, &outboxes, SHUTDOWN_DRAIN))
-            .await
-            .unwrap_or(-1);
+}
+
+/// Sends what the outboxes hold, at most [`SHUTDOWN_DRAIN`]; the rest
+/// stays in Redis for the next start or the region's replicas.
+async fn final_drain(keep: &OutboxKeep) {
+    let left = tokio::time::timeout(
+        SHUTDOWN_DRAIN,
+        outbox::final_drain(&keep.parts, &keep.outboxes, SHUTDOWN_DRAIN),
+    )
+    .await
+    .unwrap_or(-1);
     if left == 0 {
         tracing::info!("agent stopped; outbox drained");
     } else {
         tracing::warn!(outbox_left = left, "agent stopped; entries left in Redis are sent by the next start or the region's replicas (-1: not counted)");
-    }
-    match served {
-        Ok(r) => r,
-        Err(e) if e.is_cancelled() => Ok(()),
-        Err(e) => Err(std::io::Error::other(format!("server task failed: {e}"))),
     }
 }
 
