@@ -83,6 +83,28 @@ async fn reports(db: &sqlx::PgPool) -> Result<BTreeMap<String, BTreeMap<i64, i64
     Ok(out)
 }
 
+/// How long the old primary may take to finish the statements it was
+/// running when the allocator's link was cut.
+const QUIESCE: Duration = Duration::from_secs(3);
+
+/// Waits until no client backend but this one runs a statement.
+async fn quiesce(db: &sqlx::PgPool) -> Result<(), String> {
+    let deadline = std::time::Instant::now() + QUIESCE;
+    loop {
+        let busy = sqlx::query_file_scalar!("src/sql/busy_backends.sql")
+            .fetch_one(db)
+            .await
+            .map_err(|e| format!("activity query: {e}"))?;
+        if busy == 0 {
+            return Ok(());
+        }
+        if std::time::Instant::now() > deadline {
+            return Err(format!("{busy} statements still running {QUIESCE:?} after the link was cut"));
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
 /// `postgres-failover` (`synchronous`) and `postgres-failover-async`.
 pub async fn failover(p: &Profile, bins: Bins, synchronous: bool) -> Result<ScenarioReport, String> {
     if std::env::var_os("DATABASE_URL").is_some() {
@@ -122,6 +144,13 @@ pub async fn failover(p: &Profile, bins: Bins, synchronous: bool) -> Result<Scen
     ));
     tokio::time::sleep(CUT).await;
 
+    // The allocator loses the old primary first (its connections closed,
+    // new ones hang), then the commits it had already sent finish: from
+    // here on, nothing more commits there, so what is read below is all
+    // the old primary ever acknowledged (read later, a report committed
+    // between the read and the kill would be lost uncounted).
+    run.stack.pg_link.set(Fault::Blackhole);
+    quiesce(&run.db).await?;
     // What the old primary holds just before its death: every lease it
     // committed (visible, so in the synchronous case also on the standby)
     // and every report it accepted.
@@ -141,12 +170,13 @@ pub async fn failover(p: &Profile, bins: Bins, synchronous: bool) -> Result<Scen
     let reports_before = reports(&run.db).await?;
     run.stack.db.kill();
     let killed = chrono::Utc::now();
-    run.note("the primary SIGKILLed with all its processes");
+    run.note("the allocator's link to the primary cut, its last commits finished, then the primary SIGKILLed with all its processes");
     // Leases the agents credited from the old primary (read before any
     // can be credited from the new one).
     let credited = credited_leases(&run).await?;
     standby.promote().await?;
     run.stack.pg_link.set_upstreams(vec![standby.addr.clone()]);
+    run.stack.pg_link.set(Fault::Pass);
     let promoted = chrono::Utc::now();
     run.note(format!(
         "standby promoted (pg_ctl promote) and the allocator's link repointed {:.2} s after the kill",
@@ -208,6 +238,7 @@ pub async fn failover(p: &Profile, bins: Bins, synchronous: bool) -> Result<Scen
             }
         }
     }
+    run.note(format!("admits in the lost reports, by window: {:?}", run.lost_by_window));
     let summary = format!(
         "{} leases known before the kill ({} credited in Redis); {} lost ({lost_credited} of them credited, \
          {lost_tokens} tokens), {lost_reports} accepted reports lost",
