@@ -191,7 +191,7 @@ pub(crate) async fn acquire(
     span.record("cost", req.wants.iter().map(|w| w.cost).sum::<i64>());
     // Boxed: the decision's future is deep (scripts, batches, waits), and
     // the handler's layout would exceed the compiler's query depth.
-    let result = Box::pin(decide(&app, &req, &mut policies)).await;
+    let result = Box::pin(decide(&app.decider, &req, &mut policies)).await;
     let now = app.clock.now_utc();
     let name = |i: usize| format!("{}/{}", req.tenant, req.wants[i].resource);
     // The quota the headers describe, its balance and its key's.

@@ -17,7 +17,6 @@ use crate::{fallback, guard};
 use quota_shared::clock::{Clock, OffsetClock, SystemClock};
 use quota_shared::prom::Registry;
 use std::future::Future;
-use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -33,8 +32,10 @@ pub struct App {
     pub metrics: Arc<Registry>,
     /// UTC for windows (scheduling and the fallback window), monotonic for deadlines.
     pub clock: Arc<dyn Clock>,
-    /// The region's incarnation key was missing at start (see the crate doc).
-    pub region_fresh: AtomicBool,
+    /// Creates quotas and starts their renewers.
+    pub registry: Arc<crate::registry::Registry>,
+    /// What a decision uses of this state.
+    pub decider: Arc<Decider>,
     /// The opt-in local allowance while Redis is down.
     pub local: Arc<fallback::LocalFallback>,
     /// Quota names the allocator recently answered 404 for.
@@ -49,7 +50,42 @@ pub struct App {
     pub legacy: Arc<crate::legacy::Gate>,
     /// Stops the background tasks.
     pub cancel: CancellationToken,
-    tasks: Mutex<Vec<JoinHandle<()>>>,
+    tasks: Tasks,
+}
+
+/// The background tasks to stop at shutdown.
+pub type Tasks = Arc<Mutex<Vec<JoinHandle<()>>>>;
+
+/// What an admission decision ([`crate::spend`]) uses of the agent's state:
+/// not the allocator client, the fleet counts, the task list or the
+/// cancellation. Its parts are the same handles as [`App`]'s.
+pub struct Decider {
+    pub settings: Arc<Settings>,
+    pub keys: Keys,
+    pub store: Store,
+    pub registry: Arc<crate::registry::Registry>,
+    /// Quota names the allocator recently answered 404 for.
+    pub unknown: Arc<quotas::Unknown>,
+    pub guard: Arc<guard::Guard>,
+    pub local: Arc<fallback::LocalFallback>,
+    pub legacy: Arc<crate::legacy::Gate>,
+    pub ident: Arc<Identity>,
+    pub metrics: Arc<Registry>,
+    pub clock: Arc<dyn Clock>,
+    alloc: Arc<AllocatorClient>,
+    alloc_clock: Arc<AllocatorClock>,
+}
+
+impl Decider {
+    /// See [`App::allocator_reachable`].
+    pub fn allocator_reachable(&self) -> bool {
+        self.alloc.breaker.reachable()
+    }
+
+    /// See [`AllocatorClock::now`].
+    pub fn allocator_now(&self) -> chrono::DateTime<chrono::Utc> {
+        self.alloc_clock.now()
+    }
 }
 
 /// Shared state of every handler.
@@ -81,24 +117,46 @@ impl App {
                 Arc::new(OffsetClock::new(chrono::Duration::milliseconds(ms)))
             }
         };
-        Ok(Arc::new(App {
-            keys: Keys::with_layout(&settings.redis_prefix, settings.key_layout),
-            legacy: Arc::new(crate::legacy::Gate::new(settings.key_layout)),
-            settings: Arc::new(settings),
-            store,
-            alloc: Arc::new(alloc),
-            quotas: Arc::default(),
-            ident: Arc::default(),
-            metrics: Arc::new(metrics),
-            alloc_clock: Arc::new(AllocatorClock::new(clock.clone())),
-            clock,
-            region_fresh: AtomicBool::new(false),
-            local: Arc::default(),
+        let keys = Keys::with_layout(&settings.redis_prefix, settings.key_layout);
+        let settings = Arc::new(settings);
+        let quotas: Arc<Quotas> = Arc::default();
+        let registry = Arc::new(crate::registry::Registry::new(quotas.clone(), keys.clone()));
+        let alloc_clock = Arc::new(AllocatorClock::new(clock.clone()));
+        let decider = Arc::new(Decider {
+            settings: settings.clone(),
+            keys: keys.clone(),
+            store: store.clone(),
+            registry: registry.clone(),
             unknown: Arc::default(),
             guard: Arc::default(),
+            local: Arc::default(),
+            legacy: Arc::new(crate::legacy::Gate::new(settings.key_layout)),
+            ident: Arc::default(),
+            metrics: Arc::new(metrics),
+            clock: clock.clone(),
+            alloc: Arc::new(alloc),
+            alloc_clock: alloc_clock.clone(),
+        });
+        let d = &decider;
+        Ok(Arc::new(App {
+            keys,
+            legacy: d.legacy.clone(),
+            settings,
+            store,
+            alloc: d.alloc.clone(),
+            quotas,
+            ident: d.ident.clone(),
+            metrics: d.metrics.clone(),
+            alloc_clock,
+            clock,
+            registry,
+            local: d.local.clone(),
+            unknown: d.unknown.clone(),
+            guard: d.guard.clone(),
             fleet_status: Arc::default(),
             cancel: CancellationToken::new(),
-            tasks: Mutex::new(Vec::new()),
+            tasks: Tasks::default(),
+            decider,
         }))
     }
 
@@ -116,6 +174,12 @@ impl App {
     /// its deadline).
     pub fn spawn(&self, f: impl Future<Output = ()> + Send + 'static) {
         self.tasks.lock().unwrap().push(tokio::spawn(f));
+    }
+
+    /// A handle on the task list, for what spawns tasks without the app
+    /// (the registry's renewers).
+    pub(crate) fn tasks(&self) -> Tasks {
+        self.tasks.clone()
     }
 
     /// The background tasks started so far (taken: the shutdown awaits them).

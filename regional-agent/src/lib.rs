@@ -46,6 +46,9 @@
 //!   exponential backoff with jitter and a circuit breaker.
 //! * [`identity`]: the agent's epoch and grant sequence (I4, I3).
 //! * [`epoch`]: registration and fences (I4).
+//! * [`registry`]: the one place a quota is created and its renewer
+//!   started; the request path asks it for a quota and decides with
+//!   `app::Decider`, the part of the state a decision uses.
 //! * [`quotas`]: what the agent knows per quota (policy and its cache in
 //!   Redis, demand, incarnation; `Quota::settle`, the one handling of a
 //!   changed incarnation).
@@ -251,6 +254,7 @@ pub mod outbox;
 pub mod plan;
 pub mod quotas;
 pub mod redis_tls;
+pub mod registry;
 pub mod renew;
 pub mod request;
 pub mod request_id;
@@ -272,7 +276,6 @@ use axum::response::Response;
 use axum::Router;
 use quota_shared::listen::{nofile, ListenerMetrics};
 use std::future::Future;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::TcpListener;
@@ -302,7 +305,7 @@ pub fn listener_metrics(app: &AppState, listener: &'static str) -> ListenerMetri
     ListenerMetrics { registry: app.metrics.clone(), open: LISTENER_OPEN, closed: LISTENER_CLOSED, listener }
 }
 
-/// The agent's router; every request runs in a span (see [`request_span`]).
+/// The agent's router; every request runs in a span (method, route, status).
 pub fn router(app: AppState) -> Router {
     let trace = tower_http::trace::TraceLayer::new_for_http()
         .make_span_with(request_span)
@@ -341,7 +344,7 @@ async fn boot(app: &AppState) {
             Ok(missing) => {
                 if missing {
                     tracing::warn!(region = %app.settings.region, "region incarnation key was missing: new region or Redis data loss");
-                    app.region_fresh.store(true, Ordering::SeqCst);
+                    app.registry.mark_region_fresh();
                 }
                 let mine = app.keys.agent_quotas(&app.settings.region, &app.settings.agent);
                 let members = commands::members(&app.store, &mine).await.unwrap_or_default();
@@ -350,7 +353,7 @@ async fn boot(app: &AppState) {
                         // No request has used it in this process yet: idle
                         // (looked at once a second), or thousands of reloaded
                         // quotas would each run a view every 50 ms.
-                        if let Some(q) = renew::quota_of(app, t, r, true) {
+                        if let Some(q) = app.registry.quota_of(t, r, true) {
                             // Its cached policy, so it does not count as
                             // learning (that would hold new names back).
                             let _ = q.load_policy(&app.store).await;
@@ -373,7 +376,7 @@ async fn boot(app: &AppState) {
             }
         }
     }
-    app.region_fresh.store(true, Ordering::SeqCst);
+    app.registry.mark_region_fresh();
 }
 
 /// How long in-flight requests may run after a shutdown signal.
@@ -421,6 +424,12 @@ struct OutboxKeep {
 /// Redis, the eviction policy, the heartbeat and the legacy gate (so the
 /// first request is decided on them), then the tasks of `app`'s task list.
 async fn start_tasks(app: &AppState) -> OutboxKeep {
+    // Every quota's renewer is a task of the app's list (the shutdown
+    // stops it); installed before the boot reloads the agent's quotas.
+    let (renewer, tasks) = (renew::Renewer::of(app), app.tasks());
+    app.registry.on_create(move |q| {
+        tasks.lock().unwrap().push(tokio::spawn(renew::run(renewer.clone(), q)));
+    });
     boot(app).await;
     // Read the eviction policy before serving, so a correctly configured
     // Redis admits from the first request (see `guard`).

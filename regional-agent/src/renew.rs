@@ -98,24 +98,6 @@ impl Renewer {
     }
 }
 
-/// The quota, created (with its renewer) on first use; `None` when
-/// [`crate::quotas::MAX_LEARNING`] quotas are still learning their policy.
-pub fn quota(app: &App, tenant: &str, resource: &str) -> Option<Arc<Quota>> {
-    quota_of(app, tenant, resource, false)
-}
-
-/// [`quota`]; `known` for a quota of the agent's quota set (see
-/// [`crate::quotas::Quotas::get_or_create`]).
-pub(crate) fn quota_of(app: &App, tenant: &str, resource: &str, known: bool) -> Option<Arc<Quota>> {
-    let first = if app.region_fresh.load(Ordering::SeqCst) { "?" } else { "" };
-    let (q, created) =
-        app.quotas.get_or_create(tenant, resource, || app.keys.quota(tenant, resource), first, known)?;
-    if created {
-        app.spawn(run(Renewer::of(app), q.clone()));
-    }
-    Some(q)
-}
-
 /// The renew task of one quota; it ends when the quota leaves the registry
 /// (idle, or unknown to the allocator).
 pub async fn run(app: Renewer, q: Arc<Quota>) {

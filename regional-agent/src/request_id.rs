@@ -3,7 +3,7 @@
 //! [`crate::commands::claim_request_id`]); the spend script answers a
 //! repeat with the first decision.
 
-use crate::app::AppState;
+use crate::app::Decider;
 use crate::quotas::PolicyInfo;
 use crate::request::Acquire;
 use quota_shared::window::Window;
@@ -23,7 +23,7 @@ pub(crate) enum ClaimError {
 /// the first decision), one with others is refused. Returns whether this
 /// request made the claim.
 pub(crate) async fn claim(
-    app: &AppState,
+    app: &Decider,
     req: &Acquire,
     rid: &str,
     p: PolicyInfo,
@@ -70,14 +70,14 @@ fn describe_claim(v: &str) -> Option<String> {
 
 /// How long a request id is remembered: until the end of the window it is
 /// decided in, plus a margin for clocks and retries.
-pub(crate) fn ttl_ms(app: &AppState, p: PolicyInfo) -> i64 {
+pub(crate) fn ttl_ms(app: &Decider, p: PolicyInfo) -> i64 {
     let now = app.clock.now_utc();
     Window::containing(now, p.window_secs).ms_until_end(now).max(0) + REQUEST_ID_MARGIN_MS
 }
 
 /// Gives up this request's claim of `rid`: only admits are remembered, so
 /// a refused request may be retried with the same id and another cost.
-pub(crate) async fn forget(app: &AppState, req: &Acquire, rid: &str) {
+pub(crate) async fn forget(app: &Decider, req: &Acquire, rid: &str) {
     let key = app.keys.request_id_claim(&req.tenant, rid);
     let _ = crate::commands::forget_request_id(&app.store, &key).await;
 }

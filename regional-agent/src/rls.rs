@@ -299,7 +299,7 @@ impl Rls {
                 return Ok(self.answer(read, &outcome(&[], None)));
             }
             let mut policies = Vec::new();
-            match spend::decide(&self.app, &req, &mut policies).await {
+            match spend::decide(&self.app.decider, &req, &mut policies).await {
                 Ok(d) => return Ok(self.answer(read, &outcome(&policies, Some(Ok(&d))))),
                 Err((Error::UnknownQuota(_), Some(at))) => limited[idx[at]] = false,
                 Err((e @ (Error::Exhausted { .. } | Error::KeyLimited { .. }), Some(at))) => {

@@ -2,7 +2,7 @@
 //! refusal it would answer becomes an admit that debits nothing on the
 //! quota, counted for the window's report (`shadow_refused`).
 
-use crate::app::AppState;
+use crate::app::Decider;
 use crate::error::Error;
 use crate::quotas::{PolicyInfo, Quota};
 use crate::request::{Paid, Shadow};
@@ -11,7 +11,7 @@ use quota_shared::window::Window;
 
 /// Shadow mode: the refusal `e` an enforced policy would answer becomes an
 /// admit that debits nothing on the quota, counted for the window's report.
-pub(crate) async fn shadow_admit(app: &AppState, q: &Quota, p: PolicyInfo, s: Shadow, e: &Error) -> Paid {
+pub(crate) async fn shadow_admit(app: &Decider, q: &Quota, p: PolicyInfo, s: Shadow, e: &Error) -> Paid {
     let ws = Window::containing(app.allocator_now(), p.window_secs).start;
     if let Err(err) = scripts::shadow(&app.store, &q.prefix, ws).await {
         tracing::warn!(tenant = %q.tenant, resource = %q.resource, error = %err, "shadow refusal not counted");

@@ -9,12 +9,11 @@
 //! answers from the region's fallback counter only while the allocator is
 //! unreachable.
 
-use crate::app::AppState;
+use crate::app::Decider;
 use crate::batch;
 use crate::error::{Error, PolicyRefusal, Result};
 use crate::keys::{Keys, Layout};
 use crate::quotas::{self, PolicyInfo, Quota};
-use crate::renew;
 use crate::request::{Acquire, Decided, Paid, Refused, ResourceCost, Shadow};
 use crate::request_id;
 use crate::scripts::{self, Admit, Ask, Caller, Common, On, Outcome, Part, Spend};
@@ -35,12 +34,12 @@ async fn wait_renewal(q: &Quota, cost: i64, d: Duration) {
 }
 
 /// A quota of the request with its policy, learned if need be.
-async fn learn(app: &AppState, tenant: &str, resource: &str) -> Result<(Arc<Quota>, PolicyInfo)> {
+async fn learn(app: &Arc<Decider>, tenant: &str, resource: &str) -> Result<(Arc<Quota>, PolicyInfo)> {
     let unknown = || Error::UnknownQuota(format!("{tenant}/{resource}"));
     if app.unknown.contains(tenant, resource) {
         return Err(unknown());
     }
-    let q = renew::quota(app, tenant, resource).ok_or(Error::TooManyQuotas)?;
+    let q = app.registry.quota(tenant, resource).ok_or(Error::TooManyQuotas)?;
     *q.last_used.lock().unwrap() = Instant::now();
     if q.unknown() {
         return Err(unknown());
@@ -114,7 +113,7 @@ fn check(req: &Acquire, w: &ResourceCost, p: PolicyInfo) -> Result<()> {
 /// Makes the decision for a valid request; `policies` receives the policy
 /// of each quota as it is learned.
 pub(crate) async fn decide(
-    app: &AppState,
+    app: &Arc<Decider>,
     req: &Acquire,
     policies: &mut Vec<PolicyInfo>,
 ) -> std::result::Result<Decided, Refused> {
@@ -204,7 +203,7 @@ fn short() -> Error {
 /// decision, waiting for renewals by [`step`]'s rule. Answers one admit per
 /// active quota, in order, or the refusal and the quota that refused.
 async fn spend_with_waits(
-    app: &AppState,
+    app: &Arc<Decider>,
     qs: &[Arc<Quota>],
     ps: &[PolicyInfo],
     req: &Acquire,
@@ -277,7 +276,7 @@ async fn spend_with_waits(
 
 /// The agent's own allowance while Redis cannot be used: a request on one
 /// quota only (a decision over several needs their shared state).
-fn local_fallback(app: &AppState, req: &Acquire, p: PolicyInfo) -> std::result::Result<Decided, Error> {
+fn local_fallback(app: &Arc<Decider>, req: &Acquire, p: PolicyInfo) -> std::result::Result<Decided, Error> {
     let n = app.settings.local_fallback_per_agent;
     let [w] = req.wants.as_slice() else {
         return Err(Error::StoreUnavailable);
@@ -302,7 +301,7 @@ fn local_fallback(app: &AppState, req: &Acquire, p: PolicyInfo) -> std::result::
 /// concurrent requests of the quota when it is one (see [`crate::batch`]),
 /// a run of its own when several.
 async fn spend_once(
-    app: &AppState,
+    app: &Arc<Decider>,
     qs: &[Arc<Quota>],
     ps: &[PolicyInfo],
     req: &Acquire,
@@ -368,7 +367,7 @@ async fn spend_once(
 /// One run of the spend script for `asks` on `quotas`, settled (each
 /// quota's token adopted, a loss handled) before its answers go out.
 async fn spend_run(
-    app: &AppState,
+    app: &Arc<Decider>,
     quotas: &[Arc<Quota>],
     commons: &[Common],
     asks: &[Ask],
