@@ -106,7 +106,7 @@ async fn migrates_serves_stops_on_sigterm_and_keeps_epochs_across_restarts() {
 
 /// The database's clock, read as the test's own client sees it.
 async fn db_now(pg: &sqlx::PgPool) -> chrono::DateTime<chrono::Utc> {
-    sqlx::query_scalar("select clock_timestamp()").fetch_one(pg).await.unwrap()
+    quota_tests::db::clock_timestamp(pg).await
 }
 
 fn at(s: &serde_json::Value) -> chrono::DateTime<chrono::Utc> {
@@ -171,16 +171,7 @@ async fn replicas_30_s_apart_grant_only_the_database_s_current_or_next_window() 
     }
     // Every lease row, whichever replica wrote it, belongs to the window of
     // its issue instant on the database's clock, or the next one.
-    let bad: i64 = sqlx::query_scalar(
-        "select count(*) from lease where window_start not in \
-           (floor(extract(epoch from issued_at) / window_secs)::bigint * window_secs, \
-            floor(extract(epoch from issued_at) / window_secs)::bigint * window_secs + window_secs) \
-         or expires_at > to_timestamp((window_start + window_secs)::double precision)",
-    )
-    .fetch_one(&pg)
-    .await
-    .unwrap();
-    assert_eq!(bad, 0);
+    assert_eq!(quota_tests::db::leases_off_window(&pg).await, 0);
 }
 
 /// Sends SIGTERM (and, when `second` is set, a second one 200 ms later)
@@ -198,10 +189,7 @@ async fn stop_with_postgres_paused(deadline_secs: &str, second: bool) -> Duratio
     // statement timeout (both server-side) can ever end it.
     let pg = sqlx::PgPool::connect(&db.url).await.unwrap();
     let mut holder = allocator::tx::begin(&pg).await.unwrap();
-    sqlx::query("select 1 from agent where region = 'eu' and agent = 'eu-1' for update")
-        .execute(&mut *holder)
-        .await
-        .unwrap();
+    quota_tests::db::lock_agent_row(&mut holder, "eu", "eu-1").await;
     let client = reqwest::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
     let url = format!("http://{}/v1/agents/register", child.addr);
     let mut in_flight = tokio::spawn(async move {
@@ -209,15 +197,7 @@ async fn stop_with_postgres_paused(deadline_secs: &str, second: bool) -> Duratio
     });
     quota_tests::wait::until("the registration to wait on the row lock", Duration::from_secs(10), || {
         let pg = pg.clone();
-        async move {
-            let waiting: i64 = sqlx::query_scalar(
-                "select count(*) from pg_stat_activity where wait_event_type = 'Lock' and query like '%insert into agent (%'",
-            )
-            .fetch_one(&pg)
-            .await
-            .unwrap();
-            (waiting > 0).then_some(())
-        }
+        async move { (quota_tests::db::lock_waiters(&pg, "insert into agent (").await > 0).then_some(()) }
     })
     .await;
     db.signal_all(libc::SIGSTOP);

@@ -135,16 +135,7 @@ async fn requests_cancelled_at_random_points_leave_no_transaction_open() {
     let pg = sqlx::PgPool::connect(&db.url).await.unwrap();
     quota_tests::wait::until("no allocator session idle in a transaction", Duration::from_secs(10), || {
         let pg = pg.clone();
-        async move {
-            let open: i64 = sqlx::query_scalar(
-                "select count(*) from pg_stat_activity
-                  where state like 'idle in transaction%' and pid <> pg_backend_pid()",
-            )
-            .fetch_one(&pg)
-            .await
-            .unwrap();
-            (open == 0).then_some(())
-        }
+        async move { (quota_tests::db::idle_in_transaction(&pg).await == 0).then_some(()) }
     })
     .await;
     // A grant after all that runs in a transaction of its own.
@@ -161,22 +152,8 @@ async fn requests_cancelled_at_random_points_leave_no_transaction_open() {
     let answered = answered.lock().unwrap().clone();
     assert!(answered.len() >= 10, "only {} grants were answered", answered.len());
     for id in &answered {
-        let found: i64 = sqlx::query_scalar("select count(*) from lease where lease_id = $1::uuid")
-            .bind(id)
-            .fetch_one(&pg)
-            .await
-            .unwrap();
-        assert_eq!(found, 1, "lease {id} was answered but is not committed");
+        assert!(quota_tests::db::lease_exists(&pg, id).await, "lease {id} was answered but is not committed");
     }
-    let bad: Vec<(String, i64, i64)> = sqlx::query_as(
-        "select p.resource, p.granted, coalesce((select sum(tokens)::bigint from lease l
-                  where l.tenant = p.tenant and l.resource = p.resource and l.window_start = p.window_start), 0)
-           from pool p where p.granted > p.limit_tokens
-              or p.granted <> coalesce((select sum(tokens)::bigint from lease l
-                  where l.tenant = p.tenant and l.resource = p.resource and l.window_start = p.window_start), 0)",
-    )
-    .fetch_all(&pg)
-    .await
-    .unwrap();
+    let bad = quota_tests::db::pools_out_of_balance(&pg).await;
     assert!(bad.is_empty(), "pools that do not add up: {bad:?}");
 }

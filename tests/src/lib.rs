@@ -33,6 +33,7 @@ pub mod allocator_proc;
 pub mod app;
 pub mod chromium;
 pub mod clock;
+pub mod db;
 pub mod envoy;
 pub mod fixtures;
 pub mod http;

@@ -1,6 +1,7 @@
 //! Bad input answers the documented 4xx naming the problem, never a 500,
 //! and never changes state.
 
+use quota_tests::db::{self, Table};
 use quota_tests::fixtures::{grant_body, put_policy, register, table_counts, Stack};
 use serde_json::json;
 
@@ -11,8 +12,7 @@ async fn bad_grant_requests_get_the_right_4xx_and_change_nothing() {
     let epoch = register(&s.http, "eu", "eu-1").await;
     let good = grant_body("atlas", "read", "eu", "eu-1", epoch, 1, 10, 5.0);
     let before = table_counts(&s.alloc.state.db).await;
-    let ledger_before: i64 =
-        sqlx::query_scalar("select count(*) from ledger_event").fetch_one(&s.alloc.state.db).await.unwrap();
+    let ledger_before = db::rows(&s.alloc.state.db, Table::LedgerEvent).await;
 
     // Malformed JSON.
     for raw in ["{", "not json", "{\"tenant\": }", ""] {
@@ -67,8 +67,7 @@ async fn bad_grant_requests_get_the_right_4xx_and_change_nothing() {
     assert_eq!(r.error(), "payload_too_large");
 
     assert_eq!(table_counts(&s.alloc.state.db).await, before, "bad input changes nothing");
-    let ledger_after: i64 =
-        sqlx::query_scalar("select count(*) from ledger_event").fetch_one(&s.alloc.state.db).await.unwrap();
+    let ledger_after = db::rows(&s.alloc.state.db, Table::LedgerEvent).await;
     assert_eq!(ledger_after, ledger_before);
 }
 

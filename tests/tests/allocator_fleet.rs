@@ -21,10 +21,7 @@ fn quota(tenant: &str) -> Value {
 }
 
 async fn rows(db: &sqlx::PgPool) -> Vec<(String, i64, i64)> {
-    sqlx::query_as("select agent, epoch, outbox_depth from agent_status order by region, agent")
-        .fetch_all(db)
-        .await
-        .unwrap()
+    quota_tests::db::agent_statuses(db).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

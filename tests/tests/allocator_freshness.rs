@@ -5,6 +5,7 @@
 //! and `explain ?at=` answers as of its instant.
 
 use chrono::{DateTime, Utc};
+use quota_tests::db;
 use quota_tests::fixtures::{at, clocked_quota, grant, grant_body, put_policy, register, report_body, Stack};
 use quota_tests::http::Http;
 use quota_tests::wait;
@@ -100,16 +101,12 @@ async fn ledger_keeps_up_while(holder: Holder) {
         }
         Holder::IdleElsewhere => other.execute("select pg_current_xact_id()").await.unwrap(),
     };
-    let other_xid: String =
-        sqlx::query_scalar("select pg_current_xact_id()::text").fetch_one(&mut other).await.unwrap();
-    let other_pid: i32 = sqlx::query_scalar("select pg_backend_pid()").fetch_one(&mut other).await.unwrap();
+    let other_xid = db::current_xact_id(&mut other).await;
+    let other_pid = db::backend_pid(&mut other).await;
     // The scenario bites: the cluster's snapshot xmin is held at the other
     // transaction, which is what the cursor used to wait for.
-    let xmin: String = sqlx::query_scalar("select pg_snapshot_xmin(pg_current_snapshot())::text")
-        .fetch_one(&s.alloc.state.db)
-        .await
-        .unwrap();
-    assert!(xmin.parse::<u64>().unwrap() <= other_xid.parse::<u64>().unwrap(), "{holder:?}");
+    let xmin = db::snapshot_xmin(&s.alloc.state.db).await;
+    assert!(xmin <= other_xid, "{holder:?}");
     // The connection itself moves into the task that runs the long statement.
     let (running, idle) = match holder {
         Holder::RunningHere => (
@@ -163,11 +160,7 @@ async fn ledger_keeps_up_while(holder: Holder) {
     assert_eq!(w.body["windows"][0]["granted"], 15);
 
     // All of that happened while the other transaction was still open.
-    let state: Option<String> = sqlx::query_scalar("select state from pg_stat_activity where pid = $1")
-        .bind(other_pid)
-        .fetch_optional(&s.alloc.state.db)
-        .await
-        .unwrap();
+    let state = db::backend_state(&s.alloc.state.db, other_pid).await;
     let expected = match holder {
         Holder::RunningHere => "active",
         _ => "idle in transaction",
@@ -186,10 +179,7 @@ async fn ledger_keeps_up_while(holder: Holder) {
     seen.extend(rest.iter().map(|e| e["id"].as_i64().unwrap()));
     let unique: BTreeSet<i64> = seen.iter().copied().collect();
     assert_eq!(unique.len(), seen.len(), "{holder:?}: an event was served twice");
-    let all: Vec<i64> = sqlx::query_scalar("select id from ledger_event where tenant = 'atlas'")
-        .fetch_all(&s.alloc.state.db)
-        .await
-        .unwrap();
+    let all = db::ledger_ids(&s.alloc.state.db, "atlas").await;
     assert_eq!(unique, all.into_iter().collect::<BTreeSet<_>>(), "{holder:?}");
 }
 
@@ -222,12 +212,7 @@ async fn a_forgotten_ledger_writer_is_cut_off_after_its_timeout_and_the_cursor_n
     let mut writer = PgConnection::connect(&s.db.url).await.unwrap();
     writer.execute("set quota.ledger_writer_timeout = '2s'").await.unwrap();
     writer.execute("begin").await.unwrap();
-    let stuck: i64 = sqlx::query_scalar(
-        "insert into ledger_event (at, kind, tenant, resource, region) values (now(), 'reported', 'atlas', 'read', 'eu') returning id",
-    )
-    .fetch_one(&mut writer)
-    .await
-    .unwrap();
+    let stuck = db::insert_reported_event(&mut writer, "atlas", Some("read"), Some("eu")).await;
     let opened = Instant::now();
     let g = grant(&s.http, &grant_body("atlas", "read", "eu", "eu-1", epoch, 1, 5, 5.0)).await.expect(200);
     let lease = json!(g.body["lease_id"]);
@@ -256,12 +241,7 @@ async fn a_forgotten_ledger_writer_is_cut_off_after_its_timeout_and_the_cursor_n
     seen.extend(events.iter().map(|e| e["id"].as_i64().unwrap()));
     assert!(!seen.contains(&stuck), "the forgotten writer's event was never committed");
     assert!(writer.execute("select 1").await.is_err(), "the writer's session was ended");
-    let rows: i64 = sqlx::query_scalar("select count(*) from ledger_event where id = $1")
-        .bind(stuck)
-        .fetch_one(&s.alloc.state.db)
-        .await
-        .unwrap();
-    assert_eq!(rows, 0);
+    assert!(!db::ledger_event_exists(&s.alloc.state.db, stuck).await);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -4,6 +4,7 @@
 //! the OpenAPI document.
 
 use chrono::{Duration, Utc};
+use quota_tests::db::{self, Table};
 use quota_tests::fixtures::{
     at, clocked_quota, grant, grant_body, operator_scenario_played, put_policy, register, report_body,
     window_of, Stack,
@@ -96,12 +97,7 @@ async fn ledger_cursor_does_not_skip_an_event_that_commits_late() {
 
     // A transaction takes its ledger id first and commits last.
     let mut late = s.alloc.state.db.begin().await.unwrap();
-    let late_id: i64 = sqlx::query_scalar(
-        "insert into ledger_event (at, kind, tenant, resource, region) values (now(), 'reported', 'atlas', 'read', 'eu') returning id",
-    )
-    .fetch_one(&mut *late)
-    .await
-    .unwrap();
+    let late_id = db::insert_reported_event(&mut late, "atlas", Some("read"), Some("eu")).await;
     for seq in 0..5 {
         grant(&s.http, &grant_body("atlas", "read", "eu", "eu-1", epoch, seq, 5, 5.0)).await.expect(200);
     }
@@ -144,11 +140,8 @@ async fn ledger_pagination_never_skips_or_repeats_under_concurrent_writers() {
     writers.push(tokio::spawn(async move {
         for _ in 0..15 {
             let mut tx = db.begin().await.unwrap();
-            sqlx::query("insert into ledger_event (at, kind, tenant) values (now(), 'reported', 'atlas')")
-                .execute(&mut *tx)
-                .await
-                .unwrap();
-            sqlx::query("select pg_sleep(0.02)").execute(&mut *tx).await.unwrap();
+            db::insert_reported_event(&mut tx, "atlas", None, None).await;
+            db::sleep_in_transaction(&mut tx, 0.02).await;
             tx.commit().await.unwrap();
         }
     }));
@@ -169,10 +162,7 @@ async fn ledger_pagination_never_skips_or_repeats_under_concurrent_writers() {
     );
     let unique: BTreeSet<i64> = seen.iter().copied().collect();
     assert_eq!(unique.len(), seen.len(), "an event was served twice");
-    let all: Vec<i64> = sqlx::query_scalar("select id from ledger_event where tenant = 'atlas' order by id")
-        .fetch_all(&s.alloc.state.db)
-        .await
-        .unwrap();
+    let all = db::ledger_ids(&s.alloc.state.db, "atlas").await;
     assert_eq!(unique, all.into_iter().collect::<BTreeSet<_>>(), "every committed event was served");
     assert_eq!(unique.len(), 1 + 4 * 30 + 15);
 }
@@ -185,13 +175,7 @@ async fn ledger_ndjson_export_streams_every_matching_event_once_and_filters_are_
     grant(&s.http, &grant_body("atlas", "read", "eu", "eu-1", epoch, 1, 5, 5.0)).await.expect(200);
     // More than two export batches, in three transactions.
     for _ in 0..3 {
-        sqlx::query(
-            "insert into ledger_event (at, kind, tenant, resource, region, tokens) \
-             select now(), 'reported', 'atlas', 'read', 'us', g from generate_series(1, 900) g",
-        )
-        .execute(&s.alloc.state.db)
-        .await
-        .unwrap();
+        db::insert_reported_series(&s.alloc.state.db, "atlas", "read", "us", 900).await;
     }
     let r = reqwest::get(format!("{}/v1/ledger?tenant=atlas&format=ndjson", s.alloc.base)).await.unwrap();
     assert_eq!(r.status(), 200);
@@ -515,17 +499,7 @@ async fn retention_removes_old_ledger_events_and_leases_in_batches_and_windows_s
     let db = alloc.state.db.clone();
     let cutoff = Utc::now() - Duration::hours(168);
     let counts = |db: sqlx::PgPool| async move {
-        let ledger: i64 = sqlx::query_scalar("select count(*) from ledger_event where at < $1")
-            .bind(cutoff)
-            .fetch_one(&db)
-            .await
-            .unwrap();
-        let leases: i64 = sqlx::query_scalar("select count(*) from lease where expires_at < $1")
-            .bind(cutoff)
-            .fetch_one(&db)
-            .await
-            .unwrap();
-        (ledger, leases)
+        (db::ledger_events_before(&db, cutoff).await, db::leases_expiring_before(&db, cutoff).await)
     };
     assert_eq!(counts(db.clone()).await, (6, 3), "policy, registration, 3 grants, 1 report; 3 leases");
     assert!(allocator::retention::Retention::from_hours(0, 0, 5000).is_none(), "0 disables retention");
@@ -539,10 +513,9 @@ async fn retention_removes_old_ledger_events_and_leases_in_batches_and_windows_s
     })
     .await;
     job.abort();
-    let recent: i64 = sqlx::query_scalar("select count(*) from lease").fetch_one(&db).await.unwrap();
+    let recent = db::rows(&db, Table::Lease).await;
     assert_eq!(recent, 1, "the recent lease stays");
-    let recent_events: i64 =
-        sqlx::query_scalar("select count(*) from ledger_event").fetch_one(&db).await.unwrap();
+    let recent_events = db::rows(&db, Table::LedgerEvent).await;
     assert_eq!(recent_events, 1, "the recent grant event stays");
 
     let from = ws.as_str().unwrap();

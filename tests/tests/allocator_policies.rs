@@ -1,6 +1,7 @@
 //! Policies: validation, versions, If-Match, and I9 (a change applies to the
 //! open window at once and to every later window, nothing deleted by hand).
 
+use quota_tests::db::{self, Table};
 use quota_tests::fixtures::{grant, grant_body, pool_rows, put_policy, register, table_counts, Stack};
 use serde_json::json;
 
@@ -23,8 +24,7 @@ async fn policy_versions_increase_and_get_returns_the_policy_in_force() {
     assert_eq!(got.body, p2);
     let r = s.http.get("/v1/policies/atlas/write").await.expect(404);
     assert_eq!(r.error(), "unknown_quota");
-    let versions: i64 =
-        sqlx::query_scalar("select count(*) from policy_version").fetch_one(&s.alloc.state.db).await.unwrap();
+    let versions = db::rows(&s.alloc.state.db, Table::PolicyVersion).await;
     assert_eq!(versions, 2);
 }
 
@@ -139,11 +139,7 @@ async fn i9_a_pool_created_for_the_next_window_takes_a_later_change() {
     // A future pool exists (e.g. from a prefetch); make one directly.
     let now = chrono::Utc::now().timestamp();
     let next = (now / 3600 + 1) * 3600;
-    sqlx::query("insert into pool (tenant, resource, window_start, window_secs, limit_tokens, fallback_per_region, created_at) values ('atlas', 'read', $1, 3600, 100, 1, now())")
-        .bind(next)
-        .execute(&s.alloc.state.db)
-        .await
-        .unwrap();
+    db::insert_pool(&s.alloc.state.db, "atlas", "read", next, 3600, 100).await;
     put_policy(&s.http, "atlas", "read", json!({"limit": 700, "window_secs": 3600})).await;
     let (pools, _) = pool_rows(&s.alloc.state.db, "atlas", "read").await;
     assert_eq!(pools, vec![(700, 0, 0)]);

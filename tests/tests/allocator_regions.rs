@@ -6,6 +6,7 @@
 //! `QUOTA_AGENT_TOKEN` (2xx) and no token (401).
 
 use quota_tests::app::{Options, TestAllocator, TlsFiles};
+use quota_tests::db::{self, Table};
 use quota_tests::fixtures::{grant_body, put_policy, report_body, table_counts};
 use quota_tests::http::{Http, Resp};
 use quota_tests::pg::TestDb;
@@ -17,26 +18,16 @@ const ADMIN: &str = "admin-token-c41d";
 const EU: &str = "eu-region-token-19be";
 const US: &str = "us-region-token-88c2";
 
-async fn wrong_region_refusals(db: &sqlx::PgPool, region: &str) -> i64 {
-    sqlx::query_scalar(
-        "select count(*) from ledger_event where kind = 'refused' and reason = 'wrong_region' and region = $1",
-    )
-    .bind(region)
-    .fetch_one(db)
-    .await
-    .expect("ledger")
-}
-
 /// POSTs `body` to `path` with another region's credentials and asserts
 /// the refusal: 403 wrong_region, no table changed, one more refused event
 /// for `region`.
 async fn assert_refused(alloc: &TestAllocator, region: &str, http: &Http, path: &str, body: Value) {
     let db = &alloc.state.db;
-    let (counts, refusals) = (table_counts(db).await, wrong_region_refusals(db, region).await);
+    let (counts, refusals) = (table_counts(db).await, db::wrong_region_refusals(db, region).await);
     let r: Resp = http.post(path, &body).await;
     assert_eq!((r.status, r.error()), (403, "wrong_region"), "{}", r.body);
     assert_eq!(table_counts(db).await, counts, "a wrong_region request changed state");
-    assert_eq!(wrong_region_refusals(db, region).await, refusals + 1, "no refused ledger event");
+    assert_eq!(db::wrong_region_refusals(db, region).await, refusals + 1, "no refused ledger event");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -99,8 +90,7 @@ async fn region_tokens_act_only_for_their_region_on_every_agent_route() {
     let status = |epoch: i64| json!({"epoch": epoch, "allocator_reachable": true, "outbox_depth": 0, "quotas_total": 0, "quotas": []});
     let r = eu.put("/v1/agents/us/us-1/status", &status(us_epoch)).await;
     assert_eq!((r.status, r.error()), (403, "wrong_region"), "{}", r.body);
-    let stored = "select count(*) from agent_status";
-    let n: i64 = sqlx::query_scalar(stored).fetch_one(&alloc.state.db).await.unwrap();
+    let n = db::rows(&alloc.state.db, Table::AgentStatus).await;
     assert_eq!(n, 0, "a wrong_region status was stored");
     eu.put("/v1/agents/eu/eu-1/status", &status(eu_epoch)).await.expect(204);
     shared.put("/v1/agents/us/us-1/status", &status(us_epoch)).await.expect(204);

@@ -4,6 +4,7 @@
 //! database's clock; a good report stays idempotent by `report_id`.
 
 use chrono::{DateTime, Duration, Utc};
+use quota_tests::db::Table;
 use quota_tests::fixtures::{grant, grant_body, put_policy, register, table_counts, Stack};
 use serde_json::{json, Value};
 
@@ -17,11 +18,7 @@ fn report(epoch: i64, id: &str, items: Vec<Value>) -> Value {
 }
 
 async fn consumed(db: &sqlx::PgPool) -> i64 {
-    sqlx::query_scalar::<_, Option<i64>>("select sum(consumed)::bigint from pool_region")
-        .fetch_one(db)
-        .await
-        .unwrap()
-        .unwrap_or(0)
+    quota_tests::db::consumed_total(db).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -35,7 +32,7 @@ async fn a_bad_report_item_is_named_and_nothing_of_the_report_is_applied() {
     let ws: DateTime<Utc> = g.body["window_start"].as_str().unwrap().parse().unwrap();
     let db = s.alloc.state.db.clone();
     let before = table_counts(&db).await;
-    let events: i64 = sqlx::query_scalar("select count(*) from ledger_event").fetch_one(&db).await.unwrap();
+    let events = quota_tests::db::rows(&db, Table::LedgerEvent).await;
 
     // A window an hour ahead of the database's clock, among good items.
     let future = ws + Duration::hours(1);
@@ -90,7 +87,7 @@ async fn a_bad_report_item_is_named_and_nothing_of_the_report_is_applied() {
     assert_eq!((r.error(), r.body["item"].as_u64()), ("unknown_quota", Some(1)));
 
     assert_eq!(table_counts(&db).await, before, "a refused report changes nothing");
-    let after: i64 = sqlx::query_scalar("select count(*) from ledger_event").fetch_one(&db).await.unwrap();
+    let after = quota_tests::db::rows(&db, Table::LedgerEvent).await;
     assert_eq!(after, events, "a refused report appends nothing to the ledger");
 
     // The good items alone apply once; a replay answers the same count.

@@ -6,12 +6,9 @@
 
 use allocator::retention::{self, Retention};
 use chrono::{Duration, Utc};
+use quota_tests::db::{self, Table};
 use quota_tests::fixtures::{clocked_quota, grant, grant_body, register, window_of as window};
 use serde_json::{json, Value};
-
-async fn count(db: &sqlx::PgPool, sql: &str) -> i64 {
-    sqlx::query_scalar(sql).fetch_one(db).await.unwrap()
-}
 
 fn report(agent: &str, epoch: i64, id: &str, window_start: &Value, consumed: i64) -> Value {
     json!({"region": "eu", "agent": agent, "epoch": epoch, "report_id": id,
@@ -54,8 +51,8 @@ async fn old_reports_pools_and_gone_agents_are_deleted_in_batches_and_a_replay_i
             .clone();
     let recent = report("eu-1", e1, "recent", &ws_now, 2);
     http.post("/v1/reports", &recent).await.expect(200);
-    assert_eq!(count(&pg, "select count(*) from report").await, 5);
-    assert_eq!(count(&pg, "select count(*) from pool").await, 3);
+    assert_eq!(db::rows(&pg, Table::Report).await, 5);
+    assert_eq!(db::rows(&pg, Table::Pool).await, 3);
 
     // Reports, leases and agents beyond 7 days, pools beyond 9 days; two
     // rows per statement, so four old reports take several batches.
@@ -63,19 +60,11 @@ async fn old_reports_pools_and_gone_agents_are_deleted_in_batches_and_a_replay_i
     cfg.pause = std::time::Duration::from_millis(1);
     let purged = retention::sweep(&pg, &alloc.state.db_clock, &cfg).await.unwrap();
     assert_eq!((purged.reports, purged.leases, purged.pools, purged.agents), (4, 4, 1, 1), "{purged:?}");
-    let left: Vec<String> = sqlx::query_scalar("select report_id from report").fetch_all(&pg).await.unwrap();
+    let left = db::report_ids(&pg).await;
     assert_eq!(left, vec!["recent".to_string()]);
-    let agents: Vec<String> =
-        sqlx::query_scalar("select agent from agent order by agent").fetch_all(&pg).await.unwrap();
+    let agents = db::agent_names(&pg).await;
     assert_eq!(agents, vec!["eu-1".to_string()], "eu-gone is gone, eu-1 is active");
-    assert_eq!(
-        count(
-            &pg,
-            "select count(*) from pool_region where window_start = (select min(window_start) from pool)"
-        )
-        .await,
-        1
-    );
+    assert_eq!(db::oldest_window_regions(&pg).await, 1);
 
     // The summary of the window 8 days ago still answers; the one of 10
     // days ago is gone with its region rows.
