@@ -15,11 +15,17 @@ use crate::quotas::{self, Quotas};
 use crate::store::Store;
 use crate::{fallback, guard};
 use quota_shared::clock::{Clock, OffsetClock, SystemClock};
+use quota_shared::listen::ListenerMetrics;
 use quota_shared::prom::Registry;
 use std::future::Future;
 use std::sync::{Arc, Mutex};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
+
+/// Gauge of open connections per listener (`http`, `grpc`).
+pub const LISTENER_OPEN: &str = "agent_listener_connections";
+/// Counter of connections a listener refused or closed, by reason.
+pub const LISTENER_CLOSED: &str = "agent_listener_closed_total";
 
 /// Everything the handlers and background tasks share.
 pub struct App {
@@ -174,6 +180,11 @@ impl App {
     /// its deadline).
     pub fn spawn(&self, f: impl Future<Output = ()> + Send + 'static) {
         self.tasks.lock().unwrap().push(tokio::spawn(f));
+    }
+
+    /// Where the listener named `listener` counts its connections.
+    pub fn listener_metrics(&self, listener: &'static str) -> ListenerMetrics {
+        ListenerMetrics { registry: self.metrics.clone(), open: LISTENER_OPEN, closed: LISTENER_CLOSED, listener }
     }
 
     /// A handle on the task list, for what spawns tasks without the app

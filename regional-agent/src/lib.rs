@@ -292,17 +292,7 @@ pub fn describe_metrics(m: &quota_shared::prom::Registry) {
     gauges::describe(m);
     status_report::describe(m);
     rls::describe(m);
-    ListenerMetrics::describe(m, LISTENER_OPEN, LISTENER_CLOSED, &["http", "grpc"]);
-}
-
-/// Gauge of open connections per listener (`http`, `grpc`).
-pub const LISTENER_OPEN: &str = "agent_listener_connections";
-/// Counter of connections a listener refused or closed, by reason.
-pub const LISTENER_CLOSED: &str = "agent_listener_closed_total";
-
-/// Where the listener named `listener` counts its connections.
-pub fn listener_metrics(app: &AppState, listener: &'static str) -> ListenerMetrics {
-    ListenerMetrics { registry: app.metrics.clone(), open: LISTENER_OPEN, closed: LISTENER_CLOSED, listener }
+    ListenerMetrics::describe(m, app::LISTENER_OPEN, app::LISTENER_CLOSED, &["http", "grpc"]);
 }
 
 /// The agent's router; every request runs in a span (method, route, status).
@@ -488,7 +478,7 @@ impl Servers {
         let http = tokio::spawn(quota_shared::listen::http::serve(
             listener,
             app.settings.http_limits,
-            listener_metrics(app, "http"),
+            app.listener_metrics("http"),
             plain,
             async move {
                 let _ = stop_rx.await;

@@ -513,7 +513,7 @@ pub async fn serve(app: AppState, mapping: Mapping, listener: TcpListener, stop:
     // them is refused), so no per-request semaphore is needed on top.
     let streams = app.settings.grpc_max_streams;
     let incoming =
-        crate::grpc_conn::incoming(listener, app.settings.grpc_limits, crate::listener_metrics(&app, "grpc"));
+        crate::grpc_conn::incoming(listener, app.settings.grpc_limits, app.listener_metrics("grpc"));
     let served = tonic::transport::Server::builder()
         .layer(tower::util::MapResponseLayer::new(undecodable_is_invalid_argument::<tonic::body::Body>))
         .timeout(Duration::from_secs(10))

@@ -149,8 +149,13 @@ pub async fn failover(p: &Profile, bins: Bins, synchronous: bool) -> Result<Scen
     // here on, nothing more commits there, so what is read below is all
     // the old primary ever acknowledged (read later, a report committed
     // between the read and the kill would be lost uncounted).
-    run.stack.pg_link.set(Fault::Blackhole);
-    quiesce(&run.db).await?;
+    // Synchronous: nothing commits past the cut replication link (a commit
+    // waits for the standby, holding its row locks, so the backends behind
+    // it wait too), and the acknowledged set cannot grow.
+    if !synchronous {
+        run.stack.pg_link.set(Fault::Blackhole);
+        quiesce(&run.db).await?;
+    }
     // What the old primary holds just before its death: every lease it
     // committed (visible, so in the synchronous case also on the standby)
     // and every report it accepted.
@@ -170,7 +175,11 @@ pub async fn failover(p: &Profile, bins: Bins, synchronous: bool) -> Result<Scen
     let reports_before = reports(&run.db).await?;
     run.stack.db.kill();
     let killed = chrono::Utc::now();
-    run.note("the allocator's link to the primary cut, its last commits finished, then the primary SIGKILLed with all its processes");
+    run.note(if synchronous {
+        "the primary SIGKILLed with all its processes"
+    } else {
+        "the allocator's link to the primary cut, its last commits finished, then the primary SIGKILLed with all its processes"
+    });
     // Leases the agents credited from the old primary (read before any
     // can be credited from the new one).
     let credited = credited_leases(&run).await?;
