@@ -526,3 +526,71 @@ async fn quota_memory(conn: &mut MultiplexedConnection, prefix: &str) -> Result<
     sizes.sort();
     Ok(sizes)
 }
+
+/// What this part measured at one client count (`acquire.c<n>.*`), read
+/// back from a report (see [`super::view`]).
+#[derive(Debug, Clone, Copy, Default, serde::Deserialize)]
+#[serde(default)]
+pub struct Measured {
+    pub decisions_per_s: Option<f64>,
+    pub p50_ms: Option<f64>,
+    pub p99_ms: Option<f64>,
+    pub p999_ms: Option<f64>,
+    pub ceiling_per_s: Option<f64>,
+    pub ceiling_p50_ms: Option<f64>,
+    pub ceiling_p99_ms: Option<f64>,
+    pub ratio_to_ceiling: Option<f64>,
+    pub http_floor_per_s: Option<f64>,
+    pub http_floor_p50_ms: Option<f64>,
+    pub http_floor_p99_ms: Option<f64>,
+    pub limitador_per_s: Option<f64>,
+    pub limitador_p99_ms: Option<f64>,
+    pub ratio_to_limitador: Option<f64>,
+    pub agent_cpu_us_per_decision: Option<f64>,
+    pub decisions_per_script_run: Option<f64>,
+    pub stage: Stage,
+    pub per_key: super::view::Rate,
+    pub two_quotas_per_key: super::view::Rate,
+}
+
+/// A decision's mean time split by the agent's histograms (`stage.*`).
+#[derive(Debug, Clone, Copy, Default, serde::Deserialize)]
+#[serde(default)]
+pub struct Stage {
+    pub client_and_http_us: Option<f64>,
+    pub agent_us: Option<f64>,
+    pub redis_us: Option<f64>,
+}
+
+/// The RLS side of the same run at one stream count (`rls.c<n>.*`).
+#[derive(Debug, Clone, Copy, Default, serde::Deserialize)]
+#[serde(default)]
+pub struct RlsMeasured {
+    pub decisions_per_s: Option<f64>,
+    pub p50_ms: Option<f64>,
+    pub p99_ms: Option<f64>,
+    pub grpc_floor: Floor,
+    pub agent_cpu_us_per_decision: Option<f64>,
+}
+
+/// gRPC `Health/Check` on the agent's port: the floor of an RLS call.
+#[derive(Debug, Clone, Copy, Default, serde::Deserialize)]
+#[serde(default)]
+pub struct Floor {
+    pub per_s: Option<f64>,
+    pub p99_ms: Option<f64>,
+}
+
+impl Measured {
+    /// What `r` holds for `c` clients.
+    pub fn at(r: &super::report::BenchReport, c: usize) -> Measured {
+        super::view::part(r, &format!("acquire.c{c}"))
+    }
+}
+
+impl RlsMeasured {
+    /// What `r` holds for `c` streams.
+    pub fn at(r: &super::report::BenchReport, c: usize) -> RlsMeasured {
+        super::view::part(r, &format!("rls.c{c}"))
+    }
+}

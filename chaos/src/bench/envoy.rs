@@ -178,6 +178,27 @@ pub async fn run(rig: &Rig, plan: &Plan, out: &mut Results, progress: &dyn Fn(&s
     Ok(())
 }
 
+/// What this part measured (`envoy.c<n>.*`), read back from a report.
+#[derive(Debug, Clone, Copy, Default, serde::Deserialize)]
+#[serde(default)]
+pub struct Measured {
+    pub with_filter_per_s: Option<f64>,
+    pub with_filter_p50_ms: Option<f64>,
+    pub with_filter_p99_ms: Option<f64>,
+    pub without_filter_per_s: Option<f64>,
+    pub without_filter_p50_ms: Option<f64>,
+    pub without_filter_p99_ms: Option<f64>,
+    pub filter_ratio: Option<f64>,
+    pub agent_cpu_us_per_decision: Option<f64>,
+}
+
+impl Measured {
+    /// What `r` holds for [`CONNECTIONS`] connections.
+    pub fn of(r: &super::report::BenchReport) -> Measured {
+        super::view::part(r, &format!("envoy.c{CONNECTIONS}"))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #[test]

@@ -285,3 +285,51 @@ pub async fn run(rig: &Rig, plan: &Plan, out: &mut Results, progress: &dyn Fn(&s
     db.close().await;
     Ok(())
 }
+
+/// One case of this part (`grants.c64.<case>.*`), read back from a report.
+#[derive(Debug, Clone, Copy, Default, serde::Deserialize)]
+#[serde(default)]
+pub struct Measured {
+    pub grants_per_s: Option<f64>,
+    pub p50_ms: Option<f64>,
+    pub p99_ms: Option<f64>,
+    pub ratio_to_ceiling: Option<f64>,
+}
+
+/// pgbench's run of the grant's shape (`grants.c64.pgbench.<shape>.*`).
+#[derive(Debug, Clone, Copy, Default, serde::Deserialize)]
+#[serde(default)]
+pub struct Pgbench {
+    pub tps: Option<f64>,
+    pub latency_avg_ms: Option<f64>,
+}
+
+/// The scaling rows of one quota count (`scaling.q<n>.*`).
+#[derive(Debug, Clone, Copy, Default, serde::Deserialize)]
+#[serde(default)]
+pub struct AtQuotas {
+    pub allocator_rss_mb: Option<f64>,
+    pub grant_p99_ms: Option<f64>,
+    pub grants_per_s: Option<f64>,
+}
+
+impl Measured {
+    /// Case `case` (`hot.r1`, `q10k.r2`, ...) of `r`.
+    pub fn of(r: &super::report::BenchReport, case: &str) -> Measured {
+        super::view::part(r, &format!("grants.c64.{case}"))
+    }
+}
+
+impl Pgbench {
+    /// Shape `shape` (`hot`, `q10k`) of `r`.
+    pub fn of(r: &super::report::BenchReport, shape: &str) -> Pgbench {
+        super::view::part(r, &format!("grants.c64.pgbench.{shape}"))
+    }
+}
+
+impl AtQuotas {
+    /// `n` quotas of `r`.
+    pub fn of(r: &super::report::BenchReport, n: usize) -> AtQuotas {
+        super::view::part(r, &format!("scaling.q{n}"))
+    }
+}

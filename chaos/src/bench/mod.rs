@@ -34,6 +34,7 @@ pub mod summary;
 pub mod table;
 pub mod tls;
 pub mod utilization;
+pub mod view;
 
 use clap::Args;
 use serde::Serialize;

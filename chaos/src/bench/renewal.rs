@@ -74,3 +74,18 @@ pub async fn run(rig: &Rig, plan: &Plan, out: &mut Results, progress: &dyn Fn(&s
     db.close().await;
     Ok(())
 }
+
+/// What this part measured (`renewal.*`), read back from a report.
+#[derive(Debug, Clone, Copy, Default, serde::Deserialize)]
+#[serde(default)]
+pub struct Measured {
+    pub grant_calls: Option<f64>,
+    pub admits: Option<f64>,
+    pub admits_per_s: Option<f64>,
+}
+
+impl Measured {
+    pub fn of(r: &super::report::BenchReport) -> Measured {
+        super::view::part(r, "renewal")
+    }
+}

@@ -2,7 +2,6 @@
 //! back to render the docs: what is rendered is exactly what was measured.
 
 use super::machine::Machine;
-use super::table::TargetRow;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -21,6 +20,16 @@ pub struct BenchReport {
     pub results: BTreeMap<String, f64>,
     pub targets: Vec<TargetRow>,
     pub notes: Vec<String>,
+}
+
+/// One target and whether the run met it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TargetRow {
+    pub key: String,
+    pub what: String,
+    pub value: Option<f64>,
+    pub target: String,
+    pub met: bool,
 }
 
 /// Why a report could not be read.

@@ -4,34 +4,29 @@
 //! the report; `table` renders every figure for `docs/benchmarks.md`.
 
 use super::report::BenchReport;
-use super::Plan;
+use super::{acquire, grants, renewal, tls, utilization, Plan};
 use crate::figures::number::{count, ratio, sig};
 use std::fmt::Write as _;
 
 const NOT_MEASURED: &str = "not measured";
 
-/// `rate/s, p99 x ms` of a measurement whose keys start with `prefix`.
-fn rate_p99(r: &BenchReport, prefix: &str, per_s: &str) -> String {
-    rate_p99_of(r, &format!("{prefix}.{per_s}"), &format!("{prefix}.p99_ms"))
-}
-
-/// `rate/s, p99 x ms` from two keys.
-fn rate_p99_of(r: &BenchReport, rate: &str, p99: &str) -> String {
-    match (r.get(rate), r.get(p99)) {
+/// `rate/s, p99 x ms`, or "not measured".
+fn rate_p99(rate: Option<f64>, p99: Option<f64>) -> String {
+    match (rate, p99) {
         (Some(n), Some(p)) => format!("{}/s, p99 {} ms", count(n), sig(p)),
         (Some(n), None) => format!("{}/s", count(n)),
         _ => NOT_MEASURED.into(),
     }
 }
 
-/// `key` as a ratio, or "not measured".
-fn ratio_of(r: &BenchReport, key: &str) -> String {
-    r.get(key).map(ratio).unwrap_or_else(|| NOT_MEASURED.into())
+/// A ratio, or "not measured".
+fn ratio_of(x: Option<f64>) -> String {
+    x.map(ratio).unwrap_or_else(|| NOT_MEASURED.into())
 }
 
-/// `key` formatted by `f`, or "not measured".
-fn fig(r: &BenchReport, key: &str, f: impl Fn(f64) -> String) -> String {
-    r.get(key).map(f).unwrap_or_else(|| NOT_MEASURED.into())
+/// A figure formatted by `f`, or "not measured".
+fn fig(x: Option<f64>, f: impl Fn(f64) -> String) -> String {
+    x.map(f).unwrap_or_else(|| NOT_MEASURED.into())
 }
 
 /// The target column: the bound of each `(key, before, after)` as the
@@ -78,52 +73,58 @@ pub fn performance(r: &BenchReport) -> String {
     let mut row = |a: String, b: String, c: String, d: String| {
         let _ = writeln!(s, "| {a} | {b} | {c} | {d} |");
     };
-    for c in super::acquire::CLIENTS {
-        let k = |x: &str| format!("acquire.c{c}.{x}");
+    for c in acquire::CLIENTS {
+        let m = acquire::Measured::at(r, c);
         let target = if c == 16 { goal(r, &[("acquire.c16.p99_ms", "p99 ", " ms")]) } else { String::new() };
         row(
             format!("agent decisions, {c} client{}", if c == 1 { "" } else { "s" }),
-            rate_p99(r, &format!("acquire.c{c}"), "decisions_per_s"),
+            rate_p99(m.decisions_per_s, m.p99_ms),
             format!(
                 "spend script (ceiling) {}/s; `/healthz` (HTTP floor) {}",
-                fig(r, &k("ceiling_per_s"), count),
-                rate_p99_of(r, &k("http_floor_per_s"), &k("http_floor_p99_ms"))
+                fig(m.ceiling_per_s, count),
+                rate_p99(m.http_floor_per_s, m.http_floor_p99_ms)
             ),
             target,
         );
     }
+    let c16 = acquire::Measured::at(r, 16);
     row(
         "agent / bare spend script, 16 clients".into(),
-        ratio_of(r, "acquire.c16.ratio_to_ceiling"),
+        ratio_of(c16.ratio_to_ceiling),
         String::new(),
         goal(r, &[("acquire.c16.ratio_to_ceiling", "", "")]),
     );
     row(
         "agent / limitador crate on the same Redis, 16 clients".into(),
-        ratio_of(r, "acquire.c16.ratio_to_limitador"),
-        format!("limitador (in-process, no HTTP hop) {}", rate_p99(r, "acquire.c16", "limitador_per_s")),
+        ratio_of(c16.ratio_to_limitador),
+        format!(
+            "limitador (in-process, no HTTP hop) {}",
+            rate_p99(c16.limitador_per_s, c16.limitador_p99_ms)
+        ),
         goal(r, &[("acquire.c16.ratio_to_limitador", "", "")]),
     );
     for (case, what) in
         [("q10k", format!("{} quotas", count(plan.many_quotas as f64))), ("hot", "1 hot quota".into())]
     {
-        let k = |x: &str| format!("grants.c64.{case}.{x}");
+        let (r1, r2) =
+            (grants::Measured::of(r, &format!("{case}.r1")), grants::Measured::of(r, &format!("{case}.r2")));
         row(
             format!("grants, 64 agents, {what}, 1 allocator"),
-            rate_p99(r, &format!("grants.c64.{case}.r1"), "grants_per_s"),
+            rate_p99(r1.grants_per_s, r1.p99_ms),
             format!(
                 "pgbench {} tps (ratio {}); 2 allocators {}",
-                fig(r, &format!("grants.c64.pgbench.{case}.tps"), count),
-                ratio_of(r, &k("r1.ratio_to_ceiling")),
-                rate_p99(r, &format!("grants.c64.{case}.r2"), "grants_per_s")
+                fig(grants::Pgbench::of(r, case).tps, count),
+                ratio_of(r1.ratio_to_ceiling),
+                rate_p99(r2.grants_per_s, r2.p99_ms)
             ),
             String::new(),
         );
     }
+    let renewal = renewal::Measured::of(r);
     row(
         "allocator calls per 1,000 admits".into(),
-        fig(r, "renewals_per_1000_admits", sig),
-        match (r.get("renewal.grant_calls"), r.get("renewal.admits")) {
+        fig(r.get("renewals_per_1000_admits"), sig),
+        match (renewal.grant_calls, renewal.admits) {
             (Some(calls), Some(admits)) => format!(
                 "{} grant calls for {} admits, steady {} requests a second",
                 count(calls),
@@ -134,13 +135,15 @@ pub fn performance(r: &BenchReport) -> String {
         },
         goal(r, &[("renewals_per_1000_admits", "", "")]),
     );
+    let (skew, contention) =
+        (utilization::Measured::of(r, "skew"), utilization::Measured::of(r, "contention"));
     row(
         "utilization skew / contention: admitted / min(G, demand)".into(),
-        format!("{} % / {} %", fig(r, "utilization.skew", sig), fig(r, "utilization.contention", sig)),
+        format!("{} % / {} %", fig(skew.value, sig), fig(contention.value, sig)),
         format!(
             "skew: least-served region {} % of its demand; contention: share of admits within {} points of demand",
-            fig(r, "utilization.skew.min_region_served_pct", sig),
-            fig(r, "utilization.contention.max_share_gap_pts", sig)
+            fig(skew.min_region_served_pct, sig),
+            fig(contention.max_share_gap_pts, sig)
         ),
         goal(
             r,
@@ -154,7 +157,7 @@ pub fn performance(r: &BenchReport) -> String {
     );
     row(
         "stranded per window, worst scenario".into(),
-        format!("{} % of G", fig(r, "stranded_pct", sig)),
+        format!("{} % of G", fig(r.get("stranded_pct"), sig)),
         String::new(),
         goal(r, &[("stranded_pct", "", " %")]),
     );
@@ -163,58 +166,60 @@ pub fn performance(r: &BenchReport) -> String {
         format!("Redis per quota; allocator RSS at {} quotas", count(many as f64)),
         format!(
             "{} B; {} MiB",
-            fig(r, "scaling.redis_bytes_per_quota", count),
-            fig(r, &format!("scaling.q{many}.allocator_rss_mb"), sig)
+            fig(super::view::Scaling::of(r).redis_bytes_per_quota, count),
+            fig(grants::AtQuotas::of(r, many).allocator_rss_mb, sig)
         ),
         String::new(),
         String::new(),
     );
-    let c = super::tls::CLIENTS;
-    for (what, who, prefix, per_s, plain, tls, plain_name) in [
+    let c = tls::CLIENTS;
+    for (what, who, part, plain, secure, plain_name) in [
         (
             "agent decisions, Redis over `rediss://`",
             "clients",
             "acquire",
-            "decisions_per_s",
             "redis_plain",
             "redis_tls",
             "`redis://`",
         ),
-        ("grants, HTTPS with mTLS", "agents", "grants", "grants_per_s", "http", "https", "HTTP"),
+        ("grants, HTTPS with mTLS", "agents", "grants", "http", "https", "HTTP"),
     ] {
+        let (p, t) = (tls::Side::of(r, part, plain), tls::Side::of(r, part, secure));
         row(
             format!("{what}, {c} {who}"),
-            rate_p99(r, &format!("{prefix}.c{c}.{tls}"), per_s),
+            rate_p99(t.per_s(), t.p99_ms),
             format!(
                 "{plain_name} {} (ratio {})",
-                rate_p99(r, &format!("{prefix}.c{c}.{plain}"), per_s),
-                ratio_of(r, &format!("{prefix}.c{c}.{tls}.ratio_to_{plain}"))
+                rate_p99(p.per_s(), p.p99_ms),
+                ratio_of(t.ratio_to_redis_plain.or(t.ratio_to_http))
             ),
             String::new(),
         );
     }
-    let c = super::acquire::PER_KEY_CLIENTS;
+    let c = acquire::PER_KEY_CLIENTS;
+    let m = acquire::Measured::at(r, c);
     let alone = format!(
         "one quota alone {}; ceiling {}/s",
-        rate_p99(r, &format!("acquire.c{c}"), "decisions_per_s"),
-        fig(r, &format!("acquire.c{c}.ceiling_per_s"), count)
+        rate_p99(m.decisions_per_s, m.p99_ms),
+        fig(m.ceiling_per_s, count)
     );
     for (what, case) in [
-        ("one quota + a per-key bucket", "per_key"),
-        ("two quotas + a per-key bucket each, one decision", "two_quotas_per_key"),
+        ("one quota + a per-key bucket", m.per_key),
+        ("two quotas + a per-key bucket each, one decision", m.two_quotas_per_key),
     ] {
         row(
             format!("{what}, {c} clients"),
-            rate_p99(r, &format!("acquire.c{c}.{case}"), "decisions_per_s"),
+            rate_p99(case.decisions_per_s, case.p99_ms),
             alone.clone(),
             String::new(),
         );
     }
-    for c in super::acquire::CLIENTS {
+    for c in acquire::CLIENTS {
+        let (g, h) = (acquire::RlsMeasured::at(r, c), acquire::Measured::at(r, c));
         row(
             format!("Envoy RLS `ShouldRateLimit`, {c} stream{}", if c == 1 { "" } else { "s" }),
-            rate_p99(r, &format!("rls.c{c}"), "decisions_per_s"),
-            format!("HTTP acquire {}", rate_p99(r, &format!("acquire.c{c}"), "decisions_per_s")),
+            rate_p99(g.decisions_per_s, g.p99_ms),
+            format!("HTTP acquire {}", rate_p99(h.decisions_per_s, h.p99_ms)),
             String::new(),
         );
     }

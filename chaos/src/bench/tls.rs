@@ -140,3 +140,27 @@ pub async fn run(rig: &Rig, plan: &Plan, out: &mut Results, progress: &dyn Fn(&s
     grant_runs.record(out, &format!("grants.c{CLIENTS}"), "grants_per_s", "http", "https");
     Ok(())
 }
+
+/// One side of a link (`<part>.c<n>.<side>.*`), read back from a report.
+#[derive(Debug, Clone, Default, serde::Deserialize)]
+#[serde(default)]
+pub struct Side {
+    pub decisions_per_s: Option<f64>,
+    pub grants_per_s: Option<f64>,
+    pub p50_ms: Option<f64>,
+    pub p99_ms: Option<f64>,
+    pub ratio_to_redis_plain: Option<f64>,
+    pub ratio_to_http: Option<f64>,
+}
+
+impl Side {
+    /// Side `side` (`redis_tls`, `http`, ...) of part `part` (`acquire`, `grants`).
+    pub fn of(r: &super::report::BenchReport, part: &str, side: &str) -> Side {
+        super::view::part(r, &format!("{part}.c{CLIENTS}.{side}"))
+    }
+
+    /// Its rate, whichever part measured it.
+    pub fn per_s(&self) -> Option<f64> {
+        self.decisions_per_s.or(self.grants_per_s)
+    }
+}

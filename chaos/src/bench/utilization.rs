@@ -154,3 +154,39 @@ async fn scenarios(
     out.set("stranded_pct", stranded_all.iter().copied().fold(0.0, f64::max));
     Ok(())
 }
+
+/// One scenario of this part (`utilization.<scenario>` and below), read
+/// back from a report.
+#[derive(Debug, Clone, Copy, Default, serde::Deserialize)]
+#[serde(default)]
+pub struct Measured {
+    /// Admitted / min(G, demand), %.
+    pub value: Option<f64>,
+    pub stranded_pct: Option<f64>,
+    pub quota_windows: Option<f64>,
+    pub max_share_gap_pts: Option<f64>,
+    pub min_region_served_pct: Option<f64>,
+}
+
+/// One region of a scenario (`utilization.<scenario>.<region>.*`).
+#[derive(Debug, Clone, Copy, Default, serde::Deserialize)]
+#[serde(default)]
+pub struct Region {
+    pub served_pct: Option<f64>,
+    pub share_of_admits_pct: Option<f64>,
+    pub stranded_pct: Option<f64>,
+}
+
+impl Measured {
+    /// Scenario `name` (`skew`, `contention`) of `r`.
+    pub fn of(r: &super::report::BenchReport, name: &str) -> Measured {
+        super::view::part(r, &format!("utilization.{name}"))
+    }
+}
+
+impl Region {
+    /// Region `region` of scenario `name` of `r`.
+    pub fn of(r: &super::report::BenchReport, name: &str, region: &str) -> Region {
+        super::view::part(r, &format!("utilization.{name}.{region}"))
+    }
+}
