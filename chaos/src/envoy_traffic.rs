@@ -14,7 +14,7 @@
 //! allows for. The fallback column of the demo's table comes from the
 //! allocator's accounting.
 
-use crate::traffic::Seen;
+use crate::seen::Seen;
 
 /// The quotas the example's descriptors name (tenant [`crate::envoy_front::DOMAIN`]).
 pub const RESOURCES: [&str; 2] = ["catalog", "search"];

@@ -39,6 +39,7 @@ pub mod profile;
 pub mod redis_conn;
 pub mod report;
 pub mod scenarios;
+pub mod seen;
 pub mod stack;
 pub mod tls;
 pub mod traffic;

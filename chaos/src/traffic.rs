@@ -10,6 +10,7 @@
 //! ([`Traffic::start_envoy`], what they send and how an Envoy answer is
 //! read: [`crate::envoy_traffic`]).
 
+use crate::seen::Seen;
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -214,25 +215,6 @@ struct ClientCtx {
     tally: Arc<Mutex<Tallies>>,
     answers: Arc<Mutex<Vec<Answer>>>,
     offset: usize,
-}
-
-/// What one answer means for the tally.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Seen {
-    /// Admitted into the window starting then (Unix seconds): from a
-    /// lease, or through Envoy, whose answer does not say the source.
-    Lease(i64),
-    /// Admitted from the fallback allowance into that window.
-    Fallback(i64),
-    /// 429.
-    Denied,
-    /// 503, or through Envoy any 5xx (500 when the agent cannot decide and
-    /// `failure_mode_deny` is set): nothing was charged.
-    Unavailable,
-    /// No answer, or one that says nothing certain.
-    Ambiguous,
-    /// The connection was refused.
-    Refused,
 }
 
 impl ClientCtx {
