@@ -184,7 +184,12 @@ impl App {
 
     /// Where the listener named `listener` counts its connections.
     pub fn listener_metrics(&self, listener: &'static str) -> ListenerMetrics {
-        ListenerMetrics { registry: self.metrics.clone(), open: LISTENER_OPEN, closed: LISTENER_CLOSED, listener }
+        ListenerMetrics {
+            registry: self.metrics.clone(),
+            open: LISTENER_OPEN,
+            closed: LISTENER_CLOSED,
+            listener,
+        }
     }
 
     /// A handle on the task list, for what spawns tasks without the app

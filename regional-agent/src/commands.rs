@@ -152,6 +152,18 @@ pub async fn live_leases(store: &Store, quota_prefix: &str) -> Result<i64> {
     store.cmd(redis::cmd("ZCARD").arg(Keys::lease_index(quota_prefix))).await
 }
 
+/// Adds `n` tokens of demand the spend script did not see (refusals
+/// answered from the negative cache) to the quota's demand counter.
+#[tracing::instrument(level = "debug", name = "redis.add_demand", skip_all)]
+pub async fn add_demand(store: &Store, quota_prefix: &str, n: i64) -> Result<()> {
+    let key = Keys::demand(quota_prefix);
+    let _: i64 = store.cmd(redis::cmd("INCRBY").arg(&key).arg(n)).await?;
+    // The scripts refresh its TTL with the quota's other keys; written
+    // from here it gets one too, so no key outlives its quota (F04).
+    let _ = keep(store, &key).await;
+    Ok(())
+}
+
 /// A quota's fallback counter (`None`: nothing admitted from fallback).
 #[tracing::instrument(level = "debug", name = "redis.fallback_used", skip_all)]
 pub async fn fallback_used(store: &Store, key: &str) -> Result<Option<i64>> {

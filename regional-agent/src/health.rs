@@ -146,6 +146,11 @@ pub fn describe(m: &Registry) {
         "Requests a shadow-mode policy (enforce: false) would have refused and admitted, by the limit that would have refused (per_key or quota)",
     );
     m.describe(
+        "agent_negative_cache_refusals_total",
+        "counter",
+        "Refusals answered from this replica's memory without a spend script run (the pool held spent, or the key's bucket held short), by limit (quota or per_key)",
+    );
+    m.describe(
         "agent_shadow_uncounted_total",
         "counter",
         "Shadow refusals whose count could not be written to Redis (missing from the window's report)",

@@ -242,6 +242,11 @@ impl Keys {
         format!("{quota_prefix}{}", suffix::DIRTY)
     }
 
+    /// A quota's demand counter (tokens asked, see `lua/spend.lua`).
+    pub fn demand(quota_prefix: &str) -> String {
+        format!("{quota_prefix}{}", suffix::DEMAND)
+    }
+
     /// A quota's index of live leases (sorted set of lease ids, score the
     /// window start; kept by the scripts, see `lua/prelude.lua`).
     pub fn lease_index(quota_prefix: &str) -> String {

@@ -250,6 +250,7 @@ pub mod health;
 pub mod identity;
 pub mod keys;
 pub mod legacy;
+pub mod negative;
 pub mod outbox;
 pub mod plan;
 pub mod quotas;

@@ -199,6 +199,9 @@ pub struct Quota {
     /// What the allocator last said the quota's pools still hold unleased
     /// (the `RateLimit` header's `r` adds it to the region's balance).
     pub pool_seen: Mutex<PoolSeen>,
+    /// Refusals this replica answers from memory for a while (see
+    /// [`crate::negative`]).
+    pub negative: crate::negative::Negative,
 }
 
 impl Quota {
@@ -365,6 +368,7 @@ impl Quotas {
             spends: Arc::new(SpendQueue::default()),
             legacy_done: AtomicBool::new(false),
             pool_seen: Mutex::new(PoolSeen::default()),
+            negative: Default::default(),
         });
         m.insert((tenant.to_string(), resource.to_string()), q.clone());
         Some((q, true))

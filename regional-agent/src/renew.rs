@@ -110,6 +110,7 @@ pub async fn run(app: Renewer, q: Arc<Quota>) {
         if !registered && q.policy().is_some() {
             registered = commands::join(&app.store, &registry, &member).await.is_ok();
         }
+        count_held_demand(&app, &q).await;
         if let Err(e) = renew_once(&app, &q).await {
             tracing::debug!(tenant = %q.tenant, resource = %q.resource, error = %e, "renewal round failed");
         }
@@ -136,6 +137,15 @@ pub async fn run(app: Renewer, q: Arc<Quota>) {
             _ = q.wake.notified() => {},
             _ = tokio::time::sleep(tick) => {},
         }
+    }
+}
+
+/// Adds the demand of refusals answered from the negative cache to the
+/// region's counter (given back when Redis did not take it).
+async fn count_held_demand(app: &Renewer, q: &Quota) {
+    let n = q.negative.take_uncounted();
+    if n > 0 && commands::add_demand(&app.store, &q.prefix, n).await.is_err() {
+        q.negative.add_uncounted(n);
     }
 }
 
@@ -196,6 +206,12 @@ async fn renew_once(app: &Renewer, q: &Arc<Quota>) -> Result<(), StoreError> {
     };
     let Some((v, demand_total)) = view(app, q, lasting_ms).await? else { return Ok(()) };
     *q.view.lock().unwrap() = v;
+    if v.available > 0 {
+        // Tokens in the region's balance (another replica's lease, a
+        // release): a held "pool spent" refusal ends at once, so the hold
+        // costs this replica at most one renewer tick of them.
+        q.negative.clear_pool();
+    }
     let (rate, measured) = {
         let mut d = q.demand.lock().unwrap();
         d.sample(demand_total, Instant::now());
@@ -467,6 +483,7 @@ async fn credit(
             q.settle(&r, &app.ident, &app.metrics);
             match r {
                 Outcome::Ran { value: Credit::Credited, .. } => {
+                    q.negative.clear_pool();
                     tracing::debug!(tenant = %q.tenant, resource = %q.resource, lease_id = %g.lease_id, epoch = g.epoch,
                         tokens = g.tokens, life_ms, nb_ms, "lease credited");
                     "granted"

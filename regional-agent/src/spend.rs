@@ -13,6 +13,7 @@ use crate::app::Decider;
 use crate::batch;
 use crate::error::{Error, PolicyRefusal, Result};
 use crate::keys::{Keys, Layout};
+use crate::negative::{self, Held};
 use crate::quotas::{self, PolicyInfo, Quota};
 use crate::request::{Acquire, Decided, Paid, Refused, ResourceCost, Shadow};
 use crate::request_id;
@@ -199,6 +200,50 @@ fn short() -> Error {
     Error::StoreUnavailable
 }
 
+/// A refusal of the request this replica holds from an earlier decision
+/// (see [`crate::negative`]): the first active quota whose pool is held
+/// spent, or whose bucket is held short for the request's key. Never for a
+/// request with a `request_id` (a repeat must get its first answer). The
+/// request's demand is counted as the script would have, once.
+fn held_refusal(
+    app: &Decider,
+    qs: &[Arc<Quota>],
+    req: &Acquire,
+    active: &[usize],
+    counted: &mut bool,
+) -> Option<Refused> {
+    if req.request_id.is_some() {
+        return None;
+    }
+    let now = Instant::now();
+    let (i, held) = active
+        .iter()
+        .find_map(|&i| qs[i].negative.check(req.key.as_deref(), req.wants[i].cost, now).map(|h| (i, h)))?;
+    if !*counted {
+        for &j in active {
+            qs[j].negative.add_uncounted(req.wants[j].cost);
+        }
+        *counted = true;
+    }
+    let resource = req.wants[i].resource.clone();
+    Some(match held {
+        Held::Pool { retry_ms } => {
+            app.metrics.inc("agent_negative_cache_refusals_total", &[("limit", "quota")]);
+            (Error::Exhausted { resource, retry_after_ms: retry_ms }, Some(i))
+        }
+        Held::Key { retry_ms, remaining } => {
+            app.metrics.inc("agent_negative_cache_refusals_total", &[("limit", "per_key")]);
+            (Error::KeyLimited { resource, retry_after_ms: retry_ms, remaining }, Some(i))
+        }
+    })
+}
+
+/// Milliseconds until the end of the window the allocator's clock is in.
+fn ms_to_window_end(app: &Decider, p: PolicyInfo) -> i64 {
+    let now = app.allocator_now();
+    Window::containing(now, p.window_secs).ms_until_end(now)
+}
+
 /// Spends on the quotas `active` (indices into `qs`) in one atomic
 /// decision, waiting for renewals by [`step`]'s rule. Answers one admit per
 /// active quota, in order, or the refusal and the quota that refused.
@@ -217,6 +262,9 @@ async fn spend_with_waits(
     let budget = app.settings.acquire_wait + app.settings.allocator_timeout + Duration::from_millis(100);
     let started = Instant::now();
     for _ in 0..MAX_TRIES {
+        if let Some(refused) = held_refusal(app, qs, req, active, counted) {
+            return Err(refused);
+        }
         let reachable = app.allocator_reachable();
         let fallback: Vec<bool> = ps.iter().map(|p| !reachable && p.fail_mode == FailMode::Bounded).collect();
         let r = match spend_once(app, qs, ps, req, active, &fallback, !*counted).await {
@@ -242,6 +290,11 @@ async fn spend_with_waits(
             // The key's own limit: no renewal or fallback changes it.
             Outcome::Ran { value: Spend::KeyLimited { quota, retry_ms, remaining }, .. } => {
                 let i = active.get(quota).copied().unwrap_or(active[0]);
+                if let (Some(k), None) = (&req.key, &req.request_id) {
+                    if let Some(d) = negative::key_hold_for(retry_ms, ms_to_window_end(app, ps[i])) {
+                        qs[i].negative.hold_key(k, req.wants[i].cost, remaining, d, Instant::now());
+                    }
+                }
                 let resource = req.wants[i].resource.clone();
                 return Err((Error::KeyLimited { resource, retry_after_ms: retry_ms, remaining }, Some(i)));
             }
@@ -259,6 +312,9 @@ async fn spend_with_waits(
             Step::WaitRenewal(d) => wait_renewal(&qs[at], req.wants[at].cost, d).await,
             Step::Again => {}
             Step::Exhausted(ms) => {
+                if let Some(d) = negative::hold_for(ms, ms_to_window_end(app, ps[at])) {
+                    qs[at].negative.hold_pool(d, Instant::now());
+                }
                 let resource = req.wants[at].resource.clone();
                 return Err((Error::Exhausted { resource, retry_after_ms: ms }, Some(at)));
             }

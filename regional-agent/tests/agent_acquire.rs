@@ -242,12 +242,22 @@ async fn a_request_that_waits_counts_its_demand_once() {
     }
     assert_eq!(tally.count(429, "quota_exhausted"), 8, "{tally:?}");
 
+    // Refusals answered from the negative cache are counted by the
+    // renewer's next round: 13 requests, 13 tokens of demand, once each.
     let prefix = regional_agent::keys::Keys::new("").quota("atlas", "tiny");
     let client = redis::Client::open(w.redis_url()).expect("redis url");
-    let mut conn = client.get_multiplexed_async_connection().await.expect("redis");
-    let demand: i64 =
-        redis::cmd("GET").arg(format!("{prefix}dem")).query_async(&mut conn).await.expect("GET");
-    assert_eq!(demand, 13, "13 requests were made");
+    let demand = || {
+        let (client, key) = (client.clone(), format!("{prefix}dem"));
+        async move {
+            let mut conn = client.get_multiplexed_async_connection().await.expect("redis");
+            redis::cmd("GET").arg(&key).query_async::<i64>(&mut conn).await.expect("GET")
+        }
+    };
+    quota_tests::wait::until("13 tokens of demand", std::time::Duration::from_secs(5), || async {
+        (demand().await >= 13).then_some(())
+    })
+    .await;
+    assert_eq!(demand().await, 13, "13 requests were made");
 }
 
 /// Concurrent requests on one quota are decided in shared runs of the spend
@@ -308,4 +318,70 @@ async fn concurrent_requests_share_spend_runs_and_each_request_id_is_admitted_on
     let ws = tally.by_window.keys().next().cloned().expect("a window");
     tally.by_window.get_mut(&ws).unwrap().0 += 1;
     w.wait_accounting("atlas", "busy", &tally.by_window).await;
+}
+
+/// A flood on a quota whose pool the allocator said is spent is refused
+/// from the replica's memory (the negative cache): a few spend script runs
+/// in all, not one per attempt, every attempt still 429 `quota_exhausted`
+/// with `Retry-After`, and every attempt still counted as demand.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_on_a_spent_quota_costs_a_few_script_runs_and_still_counts_as_demand() {
+    let w = World::start().await;
+    w.policy("atlas", "tiny", json!({"limit": 5, "window_secs": 3600})).await;
+    let a = w.agent("eu", "eu-1", None, &[]).await;
+    for _ in 0..5 {
+        acquire(&a.http, "atlas", "tiny").await.expect(200);
+    }
+    // The first refusal learns from the allocator that the pool is spent.
+    let first = acquire(&a.http, "atlas", "tiny").await;
+    assert_eq!((first.status, first.error()), (429, "quota_exhausted"), "{}", first.body);
+    let metric = |text: &str, name: &str| quota_tests::http::metric(text, name).unwrap_or(0.0);
+    let scrape =
+        || async { a.http.get("/metrics").await.expect(200).body.as_str().unwrap_or_default().to_string() };
+    let before = scrape().await;
+    let started = std::time::Instant::now();
+    const FLOOD: usize = 300;
+    let answers = futures::future::join_all((0..4).map(|_| {
+        let http = a.http.clone();
+        async move {
+            let mut v = Vec::new();
+            for _ in 0..FLOOD / 4 {
+                v.push(acquire(&http, "atlas", "tiny").await);
+            }
+            v
+        }
+    }))
+    .await;
+    let took = started.elapsed();
+    let after = scrape().await;
+    for r in answers.iter().flatten() {
+        assert_eq!((r.status, r.error()), (429, "quota_exhausted"), "{}", r.body);
+        assert!(r.headers.contains_key("retry-after"), "{:?}", r.headers);
+    }
+    let runs = metric(&after, "agent_spend_runs_total") - metric(&before, "agent_spend_runs_total");
+    // At most one run per hold (at least 250 ms each), plus the one that
+    // renews a hold as it ends.
+    let bound = (took.as_millis() / 250) as f64 + 2.0;
+    assert!(runs <= bound, "{runs} script runs for {FLOOD} refusals in {took:?} (bound {bound})");
+    let held = metric(&after, "agent_negative_cache_refusals_total{limit=\"quota\"}");
+    assert!(held >= FLOOD as f64 - runs, "{held} refusals from memory: {after}");
+
+    // Demand: 5 admits, the first refusal and the flood, one token each,
+    // counted once each (the held ones by the renewer's next round).
+    let prefix = regional_agent::keys::Keys::new("").quota("atlas", "tiny");
+    let client = redis::Client::open(w.redis_url()).expect("redis url");
+    let want = 6 + FLOOD as i64;
+    quota_tests::wait::until(
+        "the held refusals counted as demand",
+        std::time::Duration::from_secs(10),
+        || {
+            let (client, key) = (client.clone(), format!("{prefix}dem"));
+            async move {
+                let mut conn = client.get_multiplexed_async_connection().await.ok()?;
+                let demand: i64 = redis::cmd("GET").arg(&key).query_async(&mut conn).await.ok()?;
+                (demand == want).then_some(())
+            }
+        },
+    )
+    .await;
 }
