@@ -1,6 +1,9 @@
 //! The `regional-agent` binary: parse the configuration, set up logging and
 //! serve until SIGTERM/SIGINT (then drain the outbox).
 
+// The serve future nests the whole agent (see the crate root's limit).
+#![recursion_limit = "256"]
+
 use clap::Parser;
 use regional_agent::config::Config;
 
