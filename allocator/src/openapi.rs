@@ -154,6 +154,12 @@ impl Modify for RequestBounds {
                 p.maximum = Some(max.clone());
             }
         }
+        if let Some(RefOr::T(Schema::Object(o))) = components.schemas.get_mut("GrantBatchRequest") {
+            if let Some(RefOr::T(Schema::Array(a))) = o.properties.get_mut("items") {
+                a.min_items = Some(1);
+                a.max_items = Some(quota_shared::wire::MAX_GRANT_BATCH);
+            }
+        }
         if let Some(RefOr::T(Schema::Object(o))) = components.schemas.get_mut("AgentStatusReport") {
             if let Some(RefOr::T(Schema::Array(a))) = o.properties.get_mut("quotas") {
                 a.max_items = Some(crate::fleet::MAX_QUOTAS);
