@@ -238,6 +238,25 @@ With / without the filter: {}; the agent's CPU per decision on that path: {} µs
         );
     }
 
+    let b = super::grants::BATCH_AGENTS;
+    let _ = writeln!(
+        s,
+        "\n## Allocator grants in batches ({b} concurrent agents, {} quotas, 1 replica)\n",
+        plan.many_quotas
+    );
+    let _ = writeln!(s, "| items per request | grants/s | p50 ms (request) | p99 ms (request) |");
+    let _ = writeln!(s, "|---|---|---|---|");
+    for size in super::grants::BATCH_SIZES {
+        let k = |x: &str| format!("grants.batch.b{size}.{x}");
+        let _ = writeln!(
+            s,
+            "| {size} | {} | {} | {} |",
+            v(r, &k("grants_per_s")),
+            v(r, &k("p50_ms")),
+            v(r, &k("p99_ms")),
+        );
+    }
+
     let c = super::tls::CLIENTS;
     let _ = writeln!(s, "\n## TLS beside plain ({c} clients, same run, keep-alive connections)\n");
     let _ = writeln!(s, "| link | plain /s | plain p50 ms | plain p99 ms | TLS /s | TLS p50 ms | TLS p99 ms | TLS / plain throughput |");
