@@ -209,21 +209,34 @@ begin
     allowance := case when pol.fail_mode = 'bounded' then pol.fallback_per_region else 0 end;
 
     -- From here to the end of the statement the pool row is locked (I1):
-    -- nothing below waits on the network.
-    insert into pool as x (tenant, resource, window_start, window_secs, limit_tokens, fallback_per_region,
-                           created_at)
-    values (p_tenant, p_resource, win_start, pol.window_secs, pol.limit_tokens, allowance, t)
-    on conflict (tenant, resource, window_start, window_secs) do update
-    set limit_tokens = excluded.limit_tokens, fallback_per_region = excluded.fallback_per_region
-    returning x.granted, x.returned, x.fallback_owed into p_granted, p_returned, p_owed;
+    -- nothing below waits on the network. Each row is written once: the
+    -- pool and the region are read here and written with the grant below
+    -- (a hot pool's lock is held for as few row versions as possible).
+    select x.granted, x.returned, x.fallback_owed into p_granted, p_returned, p_owed
+    from pool x
+    where x.tenant = p_tenant and x.resource = p_resource and x.window_start = win_start
+      and x.window_secs = pol.window_secs
+    for update;
+    if not found then
+        -- The window's first grant creates the pool (or, racing another
+        -- first grant, waits for it and locks the row it made).
+        insert into pool as x (tenant, resource, window_start, window_secs, limit_tokens, fallback_per_region,
+                               created_at)
+        values (p_tenant, p_resource, win_start, pol.window_secs, pol.limit_tokens, allowance, t)
+        on conflict (tenant, resource, window_start, window_secs) do update
+        set limit_tokens = excluded.limit_tokens
+        returning x.granted, x.returned, x.fallback_owed into p_granted, p_returned, p_owed;
+    end if;
 
-    insert into pool_region as x (tenant, resource, window_start, window_secs, region, demand_per_sec,
-                                  last_want, demand_at)
-    values (p_tenant, p_resource, win_start, pol.window_secs, p_region, p_demand, p_want, t)
-    on conflict (tenant, resource, window_start, window_secs, region) do update
-    set demand_per_sec = excluded.demand_per_sec, last_want = excluded.last_want,
-        demand_at = excluded.demand_at
-    returning x.granted, x.returned into r_granted, r_returned;
+    -- The region's row is written only by grants, which the pool lock
+    -- serialises, and by releases and reports, which only add to what it
+    -- returned or consumed.
+    select x.granted, x.returned into r_granted, r_returned
+    from pool_region x
+    where x.tenant = p_tenant and x.resource = p_resource and x.window_start = win_start
+      and x.window_secs = pol.window_secs and x.region = p_region;
+    r_granted := coalesce(r_granted, 0);
+    r_returned := coalesce(r_returned, 0);
 
     select coalesce(array_agg(o.demand_per_sec), '{}'), coalesce(array_agg(o.last_want), '{}')
     into o_demand, o_want
@@ -254,12 +267,18 @@ begin
             quota_available(pol.limit_tokens, p_granted + n_tokens, p_returned, p_owed), retry,
             pol.per_key_rate_milli, pol.per_key_burst, pol.enforce)
     returning x.* into l;
-    update pool x set granted = x.granted + n_tokens
+    -- The debit, and the policy's limit and allowance kept current (I9).
+    update pool x
+    set granted = x.granted + n_tokens, limit_tokens = pol.limit_tokens, fallback_per_region = allowance
     where x.tenant = p_tenant and x.resource = p_resource and x.window_start = win_start
       and x.window_secs = pol.window_secs;
-    update pool_region x set granted = x.granted + n_tokens
-    where x.tenant = p_tenant and x.resource = p_resource and x.window_start = win_start
-      and x.window_secs = pol.window_secs and x.region = p_region;
+    -- The region's debit and its latest demand and want (the share's input).
+    insert into pool_region as x (tenant, resource, window_start, window_secs, region, granted, demand_per_sec,
+                                  last_want, demand_at)
+    values (p_tenant, p_resource, win_start, pol.window_secs, p_region, n_tokens, p_demand, p_want, t)
+    on conflict (tenant, resource, window_start, window_secs, region) do update
+    set granted = x.granted + excluded.granted, demand_per_sec = excluded.demand_per_sec,
+        last_want = excluded.last_want, demand_at = excluded.demand_at;
     insert into ledger_event (at, kind, tenant, resource, region, agent, epoch, seq, lease_id, tokens)
     values (t, 'granted', p_tenant, p_resource, p_region, p_agent, p_epoch, p_seq, l.lease_id, l.tokens);
 

@@ -132,7 +132,8 @@ async fn grant_batch(
             format!("a batch carries 1 to {MAX_GRANT_BATCH} items, got {}", batch.items.len()),
         ));
     }
-    state.metrics.observe("allocator_grant_batch_items", &[], batch.items.len() as f64);
+    state.metrics.inc("allocator_grant_batches_total", &[]);
+    state.metrics.inc_by("allocator_grant_batch_items_total", &[], batch.items.len() as f64);
     // Owned items: a stream of borrowed ones makes the handler's future
     // fail axum's `Send` bound (a higher-ranked lifetime rustc cannot prove).
     let items = futures::stream::iter(batch.items.into_iter().enumerate())
