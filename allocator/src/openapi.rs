@@ -210,6 +210,22 @@ mod tests {
     }
 
     #[test]
+    fn the_grant_route_documents_both_forms_and_the_batch_bound() {
+        let doc = serde_json::to_value(ApiDoc::openapi()).expect("json");
+        let batch = &doc["components"]["schemas"]["GrantBatchRequest"]["properties"]["items"];
+        assert_eq!(batch["maxItems"], quota_shared::wire::MAX_GRANT_BATCH, "{batch}");
+        assert_eq!(batch["minItems"], 1, "{batch}");
+        let body = &doc["components"]["schemas"]["GrantBody"]["oneOf"];
+        assert_eq!(body.as_array().map(Vec::len), Some(2), "{body}");
+        let answer = &doc["components"]["schemas"]["GrantAnswer"]["oneOf"];
+        assert_eq!(answer.as_array().map(Vec::len), Some(2), "{answer}");
+        let item = &doc["components"]["schemas"]["GrantItemAnswer"]["properties"];
+        for name in ["status", "replayed", "grant", "error"] {
+            assert!(item[name].is_object(), "{name}: {item}");
+        }
+    }
+
+    #[test]
     fn the_agent_status_route_documents_its_answers_and_bounds() {
         let doc = serde_json::to_value(ApiDoc::openapi()).expect("json");
         let op = &doc["paths"]["/v1/agents/{region}/{agent}/status"]["put"];
