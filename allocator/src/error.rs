@@ -190,10 +190,11 @@ fn is_unavailable_sqlstate(code: Option<&str>) -> bool {
     }
 }
 
-impl IntoResponse for Error {
-    fn into_response(self) -> Response {
-        let status = self.status_code();
-        let message = match &self {
+impl Error {
+    /// The JSON body of this error (logging an internal cause, never
+    /// answering it): an HTTP answer's, or one batch item's.
+    pub fn to_body(&self) -> ErrorBody {
+        let message = match self {
             Error::DatabaseUnavailable(e) => {
                 tracing::warn!(error = %e, "database unavailable");
                 self.to_string()
@@ -215,7 +216,7 @@ impl IntoResponse for Error {
             }
             _ => self.to_string(),
         };
-        let (field, item) = match &self {
+        let (field, item) = match self {
             Error::InItem { item, source } => match source.as_ref() {
                 Error::InvalidField { field, .. } => (Some(field.clone()), Some(*item)),
                 _ => (None, Some(*item)),
@@ -223,7 +224,14 @@ impl IntoResponse for Error {
             Error::InvalidField { field, .. } => (Some(field.clone()), None),
             _ => (None, None),
         };
-        let body = ErrorBody { error: self.code().into(), message, field, item };
+        ErrorBody { error: self.code().into(), message, field, item }
+    }
+}
+
+impl IntoResponse for Error {
+    fn into_response(self) -> Response {
+        let status = self.status_code();
+        let body = self.to_body();
         let mut resp = (status, Json(body)).into_response();
         if status == StatusCode::SERVICE_UNAVAILABLE {
             resp.headers_mut().insert("retry-after", axum::http::HeaderValue::from_static("1"));

@@ -1,28 +1,36 @@
-//! `POST /v1/grants`: the grant transaction.
+//! `POST /v1/grants`: one grant, or a batch of them.
 //!
-//! In one transaction: fence the epoch (I4), look the idempotency key up
-//! (I3), lock the pool row and keep its limit current (I1, I9), compute the
-//! demand-weighted share, insert the lease clamped to its window (I2), update
-//! the pool and append the ledger event. The pool row lock, not a leader,
-//! makes concurrent grants from any number of allocator replicas safe.
+//! A grant is one statement, `quota_grant` (see its migration), sent in
+//! autocommit: it fences the epoch (I4), looks the idempotency key up (I3),
+//! locks the pool row and keeps its limit current (I1, I9), computes the
+//! demand-weighted share, inserts the lease clamped to its window (I2),
+//! updates the pool and appends the ledger event, all inside the server.
+//! One round trip per grant, and the pool row lock (which, not a leader,
+//! makes concurrent grants from any number of replicas safe) is held only
+//! for the statement's own work, never across a network wait.
+//!
+//! A batch (`{"items": [...]}`) decides each item exactly as the single form
+//! would, several at a time on the connection pool, and answers them item
+//! by item with the single form's status and body.
 
 use crate::agents;
-use crate::error::on_constraint;
 use crate::error::{Error, Result};
 use crate::http::auth::AgentScope;
-use crate::http::extract::{check_count, check_id, ApiJson};
+use crate::http::extract::{check_count, check_id, parse_json, ApiJson};
 use crate::leases::LeaseRow;
-use crate::ledger::{self, Kind, NewEvent};
-use crate::policies;
-use crate::share::{self, OtherRegion, ShareInput};
+use crate::ledger::NewEvent;
 use crate::state::AppState;
 use axum::extract::State;
-use axum::http::{HeaderMap, HeaderValue};
+use axum::http::{HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
 use axum::Json;
-use chrono::{DateTime, Duration, Utc};
-use quota_shared::window::Window;
-use quota_shared::wire::{ErrorBody, GrantRequest, GrantResponse, WindowSel};
-use sqlx::PgConnection;
+use chrono::{DateTime, Utc};
+use futures::StreamExt;
+use quota_shared::wire::{
+    ErrorBody, GrantBatchRequest, GrantBatchResponse, GrantItemAnswer, GrantRequest, GrantResponse,
+    MAX_GRANT_BATCH,
+};
+use serde::Deserialize;
 use std::time::Instant;
 use tracing::Span;
 use uuid::Uuid;
@@ -30,8 +38,10 @@ use uuid::Uuid;
 /// Largest demand accepted, tokens per second.
 pub(crate) const MAX_DEMAND_PER_SEC: f64 = 1e12;
 
-/// The longest `retry_after_ms` suggested when a pool is empty.
-const MAX_RETRY_AFTER_MS: i64 = 60_000;
+/// Items of one batch decided at once. Each holds a pool connection for
+/// one statement; a quarter of the default pool (16) leaves the rest to
+/// single grants, releases and reports arriving meanwhile.
+const BATCH_PARALLEL: usize = 4;
 
 fn validate(req: &GrantRequest) -> Result<()> {
     check_id("tenant", &req.tenant)?;
@@ -50,24 +60,44 @@ fn validate(req: &GrantRequest) -> Result<()> {
     Ok(())
 }
 
+/// The body's two forms, for the OpenAPI document (the handler tells them
+/// apart by the `items` key, so each form's errors name its own fields).
+#[derive(Deserialize, utoipa::ToSchema)]
+#[serde(untagged)]
+#[allow(dead_code)] // never built, only described
+pub(crate) enum GrantBody {
+    Single(GrantRequest),
+    Batch(GrantBatchRequest),
+}
+
+/// The answer's two forms, for the OpenAPI document.
+#[derive(Deserialize, utoipa::ToSchema)]
+#[serde(untagged)]
+#[allow(dead_code, clippy::large_enum_variant)] // never built, only described
+pub(crate) enum GrantAnswer {
+    Single(GrantResponse),
+    Batch(GrantBatchResponse),
+}
+
 /// The outcome of one grant attempt.
 enum Outcome {
     Granted(LeaseRow),
     Replayed(LeaseRow),
 }
 
-/// `POST /v1/grants`: a lease, or a replay of one (I1–I4).
+/// `POST /v1/grants`: a lease, or a replay of one (I1–I4); or, with
+/// `items`, up to `MAX_GRANT_BATCH` of them answered item by item.
 #[utoipa::path(
     post,
     path = "/v1/grants",
-    request_body = GrantRequest,
+    request_body = GrantBody,
     responses(
-        (status = 200, description = "The lease (tokens may be 0 with retry_after_ms); a replay carries Idempotent-Replayed: true", body = GrantResponse),
+        (status = 200, description = "The lease (tokens may be 0 with retry_after_ms); a replay carries Idempotent-Replayed: true. A batch (`items`, 1 to 64) answers 200 with one answer per item, in order, each with the status and body the single form would have answered (`replayed` for the header)", body = GrantAnswer),
         (status = 401, description = "Missing or wrong agent token", body = ErrorBody),
         (status = 403, description = "wrong_region: the credential acts only for another region", body = ErrorBody),
         (status = 404, description = "Unknown quota or agent", body = ErrorBody),
         (status = 409, description = "stale_epoch or idempotency_mismatch", body = ErrorBody),
-        (status = 422, description = "Invalid value; the message names the field", body = ErrorBody),
+        (status = 422, description = "Invalid value; the message names the field (a batch with no items or more than 64 names `items`)", body = ErrorBody),
     ),
     security(("agent_token" = [])),
     tag = "agents"
@@ -75,12 +105,80 @@ enum Outcome {
 pub(crate) async fn grant(
     State(state): State<AppState>,
     scope: AgentScope,
-    ApiJson(req): ApiJson<GrantRequest>,
-) -> Result<(HeaderMap, Json<GrantResponse>)> {
-    validate(&req)?;
+    ApiJson(body): ApiJson<serde_json::Value>,
+) -> Result<Response> {
+    if body.get("items").is_some() {
+        let batch: GrantBatchRequest = parse_json(&body)?;
+        return Ok(Json(grant_batch(&state, &scope, batch).await?).into_response());
+    }
+    let req: GrantRequest = parse_json(&body)?;
+    let (replayed, answer) = grant_one(&state, &scope, &req).await?;
+    let mut resp = Json(answer).into_response();
+    if replayed {
+        resp.headers_mut().insert("idempotent-replayed", HeaderValue::from_static("true"));
+    }
+    Ok(resp)
+}
+
+/// The items of a batch, each decided as the single form would decide it.
+async fn grant_batch(
+    state: &AppState,
+    scope: &AgentScope,
+    batch: GrantBatchRequest,
+) -> Result<GrantBatchResponse> {
+    if batch.items.is_empty() || batch.items.len() > MAX_GRANT_BATCH {
+        return Err(Error::invalid(
+            "items",
+            format!("a batch carries 1 to {MAX_GRANT_BATCH} items, got {}", batch.items.len()),
+        ));
+    }
+    state.metrics.inc("allocator_grant_batches_total", &[]);
+    state.metrics.inc_by("allocator_grant_batch_items_total", &[], batch.items.len() as f64);
+    // Owned items: a stream of borrowed ones makes the handler's future
+    // fail axum's `Send` bound (a higher-ranked lifetime rustc cannot prove).
+    let items = futures::stream::iter(batch.items.into_iter().enumerate())
+        .map(|(i, req)| async move {
+            match grant_one(state, scope, &req).await {
+                Ok((replayed, grant)) => GrantItemAnswer {
+                    status: StatusCode::OK.as_u16(),
+                    replayed,
+                    grant: Some(grant),
+                    error: None,
+                },
+                Err(e) => {
+                    let e = match e {
+                        Error::InvalidField { field, message } => {
+                            Error::InvalidField { field: format!("items[{i}].{field}"), message }
+                        }
+                        e => e,
+                    }
+                    .in_item(i);
+                    GrantItemAnswer {
+                        status: e.status_code().as_u16(),
+                        replayed: false,
+                        grant: None,
+                        error: Some(e.to_body()),
+                    }
+                }
+            }
+        })
+        .buffered(BATCH_PARALLEL)
+        .collect()
+        .await;
+    Ok(GrantBatchResponse { items })
+}
+
+/// One grant, validated, scoped, decided, counted and (when refused for a
+/// reason the ledger tracks) recorded: the lease and whether it is a replay.
+async fn grant_one(
+    state: &AppState,
+    scope: &AgentScope,
+    req: &GrantRequest,
+) -> Result<(bool, GrantResponse)> {
+    validate(req)?;
     if let Err(e) = scope.check(&req.region) {
         state.metrics.inc("allocator_grants_total", &[("outcome", e.code())]);
-        agents::record_refusal(&state, &e, event_of(&req, None, None)).await?;
+        agents::record_refusal(state, &e, event_of(req)).await?;
         return Err(e);
     }
     let started = Instant::now();
@@ -90,15 +188,14 @@ pub(crate) async fn grant(
     // winner's lease. Two attempts always suffice: the key then exists.
     let outcome = loop {
         attempts += 1;
-        match try_grant(&state, &req).await {
+        match try_grant(state, req).await {
             Err(Error::KeyTaken(_)) if attempts < 2 => continue,
             other => break other,
         }
     };
-    let mut headers = HeaderMap::new();
     let result = match outcome {
         // `expires_in_ms` is counted from the database's instant read in the
-        // grant transaction, after the agent sent the request: the agent's
+        // grant statement, after the agent sent the request: the agent's
         // deadline (send instant + expires_in_ms) can only fall before
         // `expires_at` (I2), whatever this replica's clock says.
         Ok((Outcome::Granted(row), now)) => {
@@ -107,24 +204,23 @@ pub(crate) async fn grant(
                 &[("outcome", if row.tokens > 0 { "granted" } else { "empty" })],
             );
             state.metrics.inc_by("allocator_granted_tokens_total", &[], row.tokens as f64);
-            Ok(row.to_grant_response(now))
+            Ok((false, row.to_grant_response(now)))
         }
         Ok((Outcome::Replayed(row), now)) => {
             state.metrics.inc("allocator_grants_total", &[("outcome", "replayed")]);
-            headers.insert("idempotent-replayed", HeaderValue::from_static("true"));
-            Ok(row.to_grant_response(now))
+            Ok((true, row.to_grant_response(now)))
         }
         Err(e) => {
             state.metrics.inc("allocator_grants_total", &[("outcome", e.code())]);
-            agents::record_refusal(&state, &e, event_of(&req, None, None)).await?;
+            agents::record_refusal(state, &e, event_of(req)).await?;
             Err(e)
         }
     };
     state.metrics.observe("allocator_grant_seconds", &[], started.elapsed().as_secs_f64());
-    Ok((headers, Json(result?)))
+    result
 }
 
-fn event_of(req: &GrantRequest, lease_id: Option<Uuid>, tokens: Option<i64>) -> NewEvent {
+fn event_of(req: &GrantRequest) -> NewEvent {
     NewEvent {
         tenant: Some(req.tenant.clone()),
         resource: Some(req.resource.clone()),
@@ -132,178 +228,166 @@ fn event_of(req: &GrantRequest, lease_id: Option<Uuid>, tokens: Option<i64>) -> 
         agent: Some(req.agent.clone()),
         epoch: Some(req.epoch),
         seq: Some(req.seq),
-        lease_id,
-        tokens,
         ..Default::default()
     }
 }
 
-/// Whether a stored lease was granted for exactly this request body.
-fn same_body(row: &LeaseRow, req: &GrantRequest) -> bool {
-    row.tenant == req.tenant
-        && row.resource == req.resource
-        && row.want == req.want
-        && row.demand_per_sec == req.demand_per_sec
-        && row.window_sel == req.window.unwrap_or_default().as_str()
+/// The row `sql/grant.sql` answers: the outcome, and the lease's columns
+/// when there is a lease (granted, replayed, or the one a mismatched key
+/// names).
+struct GrantRow {
+    outcome: String,
+    now_at: Option<DateTime<Utc>>,
+    current_epoch: Option<i64>,
+    opens_at: Option<DateTime<Utc>>,
+    lease_id: Option<Uuid>,
+    tenant: Option<String>,
+    resource: Option<String>,
+    region: Option<String>,
+    agent: Option<String>,
+    epoch: Option<i64>,
+    seq: Option<i64>,
+    window_start: Option<i64>,
+    window_secs: Option<i64>,
+    want: Option<i64>,
+    demand_per_sec: Option<f64>,
+    window_sel: Option<String>,
+    tokens: Option<i64>,
+    issued_at: Option<DateTime<Utc>>,
+    expires_at: Option<DateTime<Utc>>,
+    policy_version: Option<i64>,
+    fallback_allowance: Option<i64>,
+    fail_mode: Option<String>,
+    pool_limit: Option<i64>,
+    pool_granted: Option<i64>,
+    pool_available: Option<i64>,
+    retry_after_ms: Option<i64>,
+    unspent: Option<i64>,
+    returned: Option<i64>,
+    released_at: Option<DateTime<Utc>>,
+    per_key_rate_milli: Option<i64>,
+    per_key_burst: Option<i64>,
+    enforce: Option<bool>,
 }
 
-/// The grant transaction, with the database instant it decided at. Its
-/// span carries the lease id once the lease is written (or replayed).
+/// A column `quota_grant` always fills for a lease, missing: a bug.
+fn missing(column: &str) -> Error {
+    Error::Internal(format!("quota_grant answered a lease without {column}").into())
+}
+
+impl GrantRow {
+    /// The instant the statement decided at.
+    fn now(&self) -> Result<DateTime<Utc>> {
+        self.now_at.ok_or_else(|| missing("now_at"))
+    }
+
+    /// The lease the row carries.
+    fn lease(self) -> Result<LeaseRow> {
+        Ok(LeaseRow {
+            lease_id: self.lease_id.ok_or_else(|| missing("lease_id"))?,
+            tenant: self.tenant.ok_or_else(|| missing("tenant"))?,
+            resource: self.resource.ok_or_else(|| missing("resource"))?,
+            region: self.region.ok_or_else(|| missing("region"))?,
+            agent: self.agent.ok_or_else(|| missing("agent"))?,
+            epoch: self.epoch.ok_or_else(|| missing("epoch"))?,
+            seq: self.seq.ok_or_else(|| missing("seq"))?,
+            window_start: self.window_start.ok_or_else(|| missing("window_start"))?,
+            window_secs: self.window_secs.ok_or_else(|| missing("window_secs"))?,
+            want: self.want.ok_or_else(|| missing("want"))?,
+            demand_per_sec: self.demand_per_sec.ok_or_else(|| missing("demand_per_sec"))?,
+            window_sel: self.window_sel.ok_or_else(|| missing("window_sel"))?,
+            tokens: self.tokens.ok_or_else(|| missing("tokens"))?,
+            issued_at: self.issued_at.ok_or_else(|| missing("issued_at"))?,
+            expires_at: self.expires_at.ok_or_else(|| missing("expires_at"))?,
+            policy_version: self.policy_version.ok_or_else(|| missing("policy_version"))?,
+            fallback_allowance: self.fallback_allowance.ok_or_else(|| missing("fallback_allowance"))?,
+            fail_mode: self.fail_mode.ok_or_else(|| missing("fail_mode"))?,
+            pool_limit: self.pool_limit.ok_or_else(|| missing("pool_limit"))?,
+            pool_granted: self.pool_granted.ok_or_else(|| missing("pool_granted"))?,
+            pool_available: self.pool_available.ok_or_else(|| missing("pool_available"))?,
+            retry_after_ms: self.retry_after_ms,
+            unspent: self.unspent,
+            returned: self.returned,
+            released_at: self.released_at,
+            per_key_rate_milli: self.per_key_rate_milli,
+            per_key_burst: self.per_key_burst,
+            enforce: self.enforce.ok_or_else(|| missing("enforce"))?,
+        })
+    }
+}
+
+/// One grant statement, with the database instant it decided at. Its span
+/// carries the lease id once the lease is written (or replayed).
 #[tracing::instrument(name = "grant", skip_all, fields(
     tenant = %req.tenant, resource = %req.resource, region = %req.region, agent = %req.agent,
     epoch = req.epoch, seq = req.seq, lease_id = tracing::field::Empty,
 ))]
 async fn try_grant(state: &AppState, req: &GrantRequest) -> Result<(Outcome, DateTime<Utc>)> {
-    let mut tx = crate::tx::begin(&state.db).await?;
-    agents::fence(&mut tx, &req.region, &req.agent, req.epoch).await?;
-    // Read after the fence (which may wait on a registration's row lock), so
-    // the window is decided as late as possible on the one clock (I8).
-    let now = state.db_clock.now(&mut tx).await?;
-
-    let existing =
-        sqlx::query_file_as!(LeaseRow, "src/sql/lease_by_key.sql", req.region, req.agent, req.epoch, req.seq)
-            .fetch_optional(&mut *tx)
-            .await?;
-    if let Some(row) = existing {
-        Span::current().record("lease_id", tracing::field::display(row.lease_id));
-        if !same_body(&row, req) {
-            return Err(Error::IdempotencyMismatch(format!(
-                "grant key (region {}, agent {}, epoch {}, seq {}) was used for lease {} with a different body",
-                req.region, req.agent, req.epoch, req.seq, row.lease_id
-            )));
-        }
-        ledger::append(&mut tx, now, Kind::Replayed, event_of(req, Some(row.lease_id), Some(row.tokens)))
-            .await?;
-        tx.commit().await?;
-        return Ok((Outcome::Replayed(row), now));
-    }
-
-    let policy = policies::require(&mut tx, &req.tenant, &req.resource).await?;
-    let current = Window::containing(now, policy.window_secs);
-    let window = match req.window.unwrap_or_default() {
-        WindowSel::Current => current,
-        WindowSel::Next => {
-            let opens_at = current.end_at() - Duration::seconds(policy.lease_ttl_secs);
-            if now < opens_at {
-                return Err(Error::invalid(
-                    "window",
-                    format!("\"next\" is allowed only within the last lease_ttl_secs of a window, from {opens_at}"),
-                ));
-            }
-            current.next()
-        }
-    };
-    // The `granted` ledger event is appended by the lease insert itself.
-    let row = grant_in_window(&mut tx, req, &policy, window, now).await?;
-    Span::current().record("lease_id", tracing::field::display(row.lease_id));
-    tx.commit().await?;
-    // Tenant, resource, region, epoch and lease id are the span's.
-    tracing::debug!(tokens = row.tokens, window_start = window.start, "lease granted");
-    Ok((Outcome::Granted(row), now))
-}
-
-/// The pool part of the transaction: lock, share, then insert the lease,
-/// debit the pool and append the ledger event in one statement.
-#[tracing::instrument(level = "debug", skip_all, fields(window_start = window.start, window_secs = window.secs))]
-async fn grant_in_window(
-    conn: &mut PgConnection,
-    req: &GrantRequest,
-    policy: &policies::PolicyRow,
-    window: Window,
-    now: DateTime<Utc>,
-) -> Result<LeaseRow> {
-    let pool_key = (&req.tenant, &req.resource, window.start, window.secs);
-    let pool = sqlx::query_file!(
-        "src/sql/pool_lock.sql",
-        pool_key.0,
-        pool_key.1,
-        pool_key.2,
-        pool_key.3,
-        policy.limit_tokens,
-        policy.fallback_allowance(),
-        now
-    )
-    .fetch_one(&mut *conn)
-    .await?;
-    let (granted, returned, owed) = (pool.granted, pool.returned, pool.fallback_owed);
-    let region = sqlx::query_file!(
-        "src/sql/pool_region_demand.sql",
-        pool_key.0,
-        pool_key.1,
-        pool_key.2,
-        pool_key.3,
-        req.region,
-        req.demand_per_sec,
-        req.want,
-        now
-    )
-    .fetch_one(&mut *conn)
-    .await?;
-    let (region_granted, region_returned) = (region.granted, region.returned);
-    let active_since = now - Duration::seconds(policy.lease_ttl_secs.max(1));
-    let others = sqlx::query_file_as!(
-        OtherRegion,
-        "src/sql/pool_region_others.sql",
-        pool_key.0,
-        pool_key.1,
-        pool_key.2,
-        pool_key.3,
-        req.region,
-        active_since
-    )
-    .fetch_all(&mut *conn)
-    .await?;
-    let available = share::available(policy.limit_tokens, granted, returned, owed);
-    let tokens = share::tokens(&ShareInput {
-        want: req.want,
-        demand_per_sec: req.demand_per_sec,
-        chunk_min: policy.chunk_min,
-        chunk_max: policy.chunk_max,
-        limit: policy.limit_tokens,
-        available,
-        region_holding: region_granted - region_returned,
-        others: &others,
-    });
-    // A lease's life starts when its window opens: a lease prefetched for the
-    // next window would otherwise expire before that window ends and strand
-    // its tokens. Either way it never outlives its window (I2).
-    let life_from = now.max(window.start_at());
-    let expires_at = (life_from + Duration::seconds(policy.lease_ttl_secs)).min(window.end_at());
-    let retry_after_ms = (tokens == 0).then(|| window.ms_until_end(now).clamp(1, MAX_RETRY_AFTER_MS));
-    let pool_granted = granted + tokens;
-    let pool_available = share::available(policy.limit_tokens, pool_granted, returned, owed);
-    // The binds in the order of lease_insert.sql's column list.
+    let who = || format!("{}/{}", req.region, req.agent);
+    // No BEGIN: one statement in autocommit is its own transaction, and a
+    // request dropped mid-statement leaves nothing open (see crate::tx).
     let row = sqlx::query_file_as!(
-        LeaseRow,
-        "src/sql/lease_insert.sql",
-        Uuid::new_v4(),                          // $1 lease_id
-        req.tenant,                              // $2 tenant
-        req.resource,                            // $3 resource
-        req.region,                              // $4 region
-        req.agent,                               // $5 agent
-        req.epoch,                               // $6 epoch
-        req.seq,                                 // $7 seq
-        window.start,                            // $8 window_start
-        window.secs,                             // $9 window_secs
-        req.want,                                // $10 want
-        req.demand_per_sec,                      // $11 demand_per_sec
-        req.window.unwrap_or_default().as_str(), // $12 window_sel
-        tokens,                                  // $13 tokens
-        now,                                     // $14 issued_at
-        expires_at,                              // $15 expires_at
-        policy.version,                          // $16 policy_version
-        policy.fallback_allowance(),             // $17 fallback_allowance
-        policy.fail_mode,                        // $18 fail_mode
-        policy.limit_tokens,                     // $19 pool_limit
-        pool_granted,                            // $20 pool_granted
-        pool_available,                          // $21 pool_available
-        retry_after_ms,                          // $22 retry_after_ms
-        policy.per_key_rate_milli,               // $23 per_key_rate_milli
-        policy.per_key_burst,                    // $24 per_key_burst
-        policy.enforce                           // $25 enforce
+        GrantRow,
+        "src/sql/grant.sql",
+        Uuid::new_v4(),
+        req.tenant,
+        req.resource,
+        req.region,
+        req.agent,
+        req.epoch,
+        req.seq,
+        req.want,
+        req.demand_per_sec,
+        req.window.unwrap_or_default().as_str(),
+        state.db_clock.shift_us()
     )
-    .fetch_one(&mut *conn)
+    .fetch_one(&state.db)
     .await
-    .map_err(on_constraint("lease_idempotency_key", Error::KeyTaken))?;
-    Ok(row)
+    .map_err(crate::error::on_constraint("lease_idempotency_key", Error::KeyTaken))?;
+    match row.outcome.as_str() {
+        "granted" | "replayed" => {
+            let now = row.now()?;
+            let replayed = row.outcome == "replayed";
+            let lease = row.lease()?;
+            Span::current().record("lease_id", tracing::field::display(lease.lease_id));
+            if replayed {
+                return Ok((Outcome::Replayed(lease), now));
+            }
+            // Tenant, resource, region, epoch and lease id are the span's.
+            tracing::debug!(tokens = lease.tokens, window_start = lease.window_start, "lease granted");
+            Ok((Outcome::Granted(lease), now))
+        }
+        "unknown_agent" => Err(Error::UnknownAgent(who())),
+        "stale_epoch" => Err(Error::StaleEpoch {
+            who: who(),
+            got: req.epoch,
+            current: row.current_epoch.ok_or_else(|| missing("current_epoch"))?,
+        }),
+        "epoch_not_issued" => Err(Error::invalid(
+            "epoch",
+            format!(
+                "epoch {} was never issued to {} (current {})",
+                req.epoch,
+                who(),
+                row.current_epoch.ok_or_else(|| missing("current_epoch"))?
+            ),
+        )),
+        "idempotency_mismatch" => {
+            let lease_id = row.lease_id.ok_or_else(|| missing("lease_id"))?;
+            Span::current().record("lease_id", tracing::field::display(lease_id));
+            Err(Error::IdempotencyMismatch(format!(
+                "grant key (region {}, agent {}, epoch {}, seq {}) was used for lease {} with a different body",
+                req.region, req.agent, req.epoch, req.seq, lease_id
+            )))
+        }
+        "unknown_quota" => Err(Error::UnknownQuota(format!("{}/{}", req.tenant, req.resource))),
+        "next_too_early" => Err(Error::invalid(
+            "window",
+            format!(
+                "\"next\" is allowed only within the last lease_ttl_secs of a window, from {}",
+                row.opens_at.ok_or_else(|| missing("opens_at"))?
+            ),
+        )),
+        other => Err(Error::Internal(format!("quota_grant answered an unknown outcome {other:?}").into())),
+    }
 }

@@ -128,6 +128,8 @@ pub fn registry() -> Registry {
         "histogram",
         "Grant handling latency, including retries of a raced key",
     );
+    r.describe("allocator_grant_batches_total", "counter", "Grant requests in the batch form (items)");
+    r.describe("allocator_grant_batch_items_total", "counter", "Items of grant requests in the batch form");
     r.describe("allocator_db_connections", "gauge", "PostgreSQL pool connections by state (open, idle)");
     window_metrics::describe(&r);
     r

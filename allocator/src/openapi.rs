@@ -154,6 +154,12 @@ impl Modify for RequestBounds {
                 p.maximum = Some(max.clone());
             }
         }
+        if let Some(RefOr::T(Schema::Object(o))) = components.schemas.get_mut("GrantBatchRequest") {
+            if let Some(RefOr::T(Schema::Array(a))) = o.properties.get_mut("items") {
+                a.min_items = Some(1);
+                a.max_items = Some(quota_shared::wire::MAX_GRANT_BATCH);
+            }
+        }
         if let Some(RefOr::T(Schema::Object(o))) = components.schemas.get_mut("AgentStatusReport") {
             if let Some(RefOr::T(Schema::Array(a))) = o.properties.get_mut("quotas") {
                 a.max_items = Some(crate::fleet::MAX_QUOTAS);
@@ -201,6 +207,22 @@ mod tests {
         let spec = &doc["components"]["schemas"]["PolicySpec"]["properties"];
         assert_eq!(spec["window_secs"]["maximum"], 86400.0, "{spec}");
         assert_eq!(spec["fallback_per_region"]["minimum"], 0.0, "{spec}");
+    }
+
+    #[test]
+    fn the_grant_route_documents_both_forms_and_the_batch_bound() {
+        let doc = serde_json::to_value(ApiDoc::openapi()).expect("json");
+        let batch = &doc["components"]["schemas"]["GrantBatchRequest"]["properties"]["items"];
+        assert_eq!(batch["maxItems"], quota_shared::wire::MAX_GRANT_BATCH, "{batch}");
+        assert_eq!(batch["minItems"], 1, "{batch}");
+        let body = &doc["components"]["schemas"]["GrantBody"]["oneOf"];
+        assert_eq!(body.as_array().map(Vec::len), Some(2), "{body}");
+        let answer = &doc["components"]["schemas"]["GrantAnswer"]["oneOf"];
+        assert_eq!(answer.as_array().map(Vec::len), Some(2), "{answer}");
+        let item = &doc["components"]["schemas"]["GrantItemAnswer"]["properties"];
+        for name in ["status", "replayed", "grant", "error"] {
+            assert!(item[name].is_object(), "{name}: {item}");
+        }
     }
 
     #[test]

@@ -49,6 +49,15 @@ impl DbClock {
         })
     }
 
+    /// The test shift in microseconds (0 in production), for statements
+    /// that read the database's clock themselves (`quota_grant`).
+    pub fn shift_us(&self) -> i64 {
+        match &self.shift {
+            Some(c) => (c.now_utc() - Utc::now()).num_microseconds().unwrap_or(0),
+            None => 0,
+        }
+    }
+
     /// [`DbClock::now`] on a connection of its own.
     pub async fn now_on(&self, db: &sqlx::PgPool) -> Result<DateTime<Utc>> {
         let mut conn = db.acquire().await?;

@@ -13,8 +13,8 @@
 use crate::breaker::Breaker;
 use quota_shared::pem;
 use quota_shared::wire::{
-    AgentStatusReport, ErrorBody, GrantRequest, GrantResponse, LeaseView, RegisterRequest, RegisterResponse,
-    ReleaseRequest, ReportRequest, ReportResponse,
+    AgentStatusReport, ErrorBody, GrantBatchRequest, GrantBatchResponse, GrantRequest, GrantResponse,
+    LeaseView, RegisterRequest, RegisterResponse, ReleaseRequest, ReportRequest, ReportResponse,
 };
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -124,6 +124,8 @@ pub struct AllocatorClient {
     /// Why the latest call found the allocator unreachable; cleared by an
     /// answer. A std `Mutex`: set and read without an await in between.
     last_error: Mutex<Option<String>>,
+    /// Grants waiting to leave together (see [`crate::grant_batch`]).
+    pub(crate) grants: crate::grant_batch::GrantQueue,
 }
 
 impl AllocatorClient {
@@ -145,6 +147,7 @@ impl AllocatorClient {
             token,
             breaker: Breaker::default(),
             last_error: Mutex::new(None),
+            grants: Default::default(),
         })
     }
 
@@ -155,7 +158,7 @@ impl AllocatorClient {
 
     /// Records an unreachable call; logs only when the reason changes, so
     /// a partition or a bad certificate is one warning, not one per request.
-    fn unreachable(&self, why: String) -> CallError {
+    pub(crate) fn unreachable(&self, why: String) -> CallError {
         self.breaker.failure();
         let mut last = self.last_error.lock().unwrap();
         if last.as_deref() != Some(why.as_str()) {
@@ -217,8 +220,14 @@ impl AllocatorClient {
             .await
     }
 
-    /// `POST /v1/grants`.
-    pub async fn grant(&self, req: &GrantRequest) -> Result<GrantResponse, CallError> {
+    /// `POST /v1/grants`, one grant in the single form. Renewers call
+    /// [`AllocatorClient::grant`], which batches.
+    pub(crate) async fn grant_single(&self, req: &GrantRequest) -> Result<GrantResponse, CallError> {
+        self.post("/v1/grants", req).await
+    }
+
+    /// `POST /v1/grants` with `items`.
+    pub(crate) async fn post_grants(&self, req: &GrantBatchRequest) -> Result<GrantBatchResponse, CallError> {
         self.post("/v1/grants", req).await
     }
 

@@ -243,6 +243,7 @@ pub mod error;
 pub mod fallback;
 pub mod fleet_counts;
 pub mod gauges;
+pub mod grant_batch;
 pub mod grpc_conn;
 pub mod guard;
 pub mod headers;

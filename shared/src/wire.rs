@@ -241,6 +241,49 @@ pub struct GrantResponse {
     pub retry_after_ms: Option<i64>,
 }
 
+/// Most items one `POST /v1/grants` batch may carry (422 `items` above it):
+/// 64 renewals fit well inside the 64 KiB body limit, and a batch is
+/// answered only when its last item is, so a larger one would hold its
+/// first answers back for longer than a renewal can wait.
+pub const MAX_GRANT_BATCH: usize = 64;
+
+/// `POST /v1/grants` batch body: several grants in one request, each with
+/// its own idempotency key `(region, agent, epoch, seq)` (I3), each decided
+/// on its own exactly as the single form is.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[cfg_attr(feature = "service", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct GrantBatchRequest {
+    /// 1 to [`MAX_GRANT_BATCH`] grant requests.
+    pub items: Vec<GrantRequest>,
+}
+
+/// The answer to one item of a batch: the status the single form would have
+/// answered, with its lease or its error body.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[cfg_attr(feature = "service", derive(utoipa::ToSchema))]
+pub struct GrantItemAnswer {
+    /// 200, or the single form's error status (403, 404, 409, 422, 500, 503).
+    pub status: u16,
+    /// `true` when the lease is a replay (the single form's
+    /// `Idempotent-Replayed: true`).
+    #[serde(default)]
+    pub replayed: bool,
+    /// The lease, when `status` is 200.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grant: Option<GrantResponse>,
+    /// The error, when `status` is not 200.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<ErrorBody>,
+}
+
+/// `POST /v1/grants` batch answer: one answer per item, in the items' order.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[cfg_attr(feature = "service", derive(utoipa::ToSchema))]
+pub struct GrantBatchResponse {
+    pub items: Vec<GrantItemAnswer>,
+}
+
 /// `POST /v1/leases/{lease_id}/release` body.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[cfg_attr(feature = "service", derive(utoipa::ToSchema))]

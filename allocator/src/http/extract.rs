@@ -23,6 +23,14 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for ApiJson<T> {
     }
 }
 
+/// A body already read as JSON (by [`ApiJson`]) as `T`, with the same
+/// rejections as `ApiJson<T>`: a route with two body forms reads the
+/// value, picks the form, and still names the field at fault.
+pub fn parse_json<T: DeserializeOwned>(value: &serde_json::Value) -> Result<T, Error> {
+    let bytes = serde_json::to_vec(value).map_err(|e| Error::MalformedJson(e.to_string()))?;
+    axum::Json::<T>::from_bytes(&bytes).map(|axum::Json(v)| v).map_err(json_rejection)
+}
+
 fn json_rejection(r: JsonRejection) -> Error {
     match r {
         JsonRejection::JsonDataError(e) => {

@@ -3,7 +3,8 @@
 //! quotas, with 1 and 2 allocator replicas on one PostgreSQL; and the
 //! ceiling of the same run: `pgbench` with a transaction of the grant's
 //! shape (one row lock, one insert, one update) at 64 clients on the same
-//! server. Also the scaling figures that depend on the number of quotas:
+//! server; grants in batches of 1, 16 and 64 items per request. Also the
+//! scaling figures that depend on the number of quotas:
 //! allocator RSS and grant p99 at 100 and 100,000 quotas, and ledger rows
 //! written per grant.
 
@@ -91,6 +92,59 @@ fn grant_op(targets: Vec<Http>, quotas: Quotas, agents: Arc<Vec<(String, i64)>>)
         }
         .boxed()
     })
+}
+
+/// Items per request of the batch cases (`grants.batch.b{n}`).
+pub const BATCH_SIZES: [usize; 3] = [1, 16, 64];
+/// Concurrent agents of the batch cases: a quarter of [`AGENTS`], each
+/// renewing many quotas per request, as agents renewing together do.
+pub const BATCH_AGENTS: usize = AGENTS / 4;
+
+/// Like [`grant_op`], but each call carries `size` grants in one
+/// `POST /v1/grants` with `items`, for `size` different quotas; it counts
+/// as one operation (grants/s is operations/s × `size`).
+fn batch_op(http: Http, quotas: Quotas, size: usize, agents: Arc<Vec<(String, i64)>>) -> Op {
+    Arc::new(move |c, n| {
+        let http = http.clone();
+        let (agent, epoch) = agents[c].clone();
+        let items: Vec<_> = (0..size as u64)
+            .map(|i| {
+                // Sequence numbers of one client never repeat: n counts calls.
+                let seq = (n - 1) * size as u64 + i;
+                json!({
+                    "tenant": TENANT, "resource": quotas.resource(c, seq), "region": "bench", "agent": agent,
+                    "epoch": epoch, "seq": seq, "want": 1, "demand_per_sec": 10.0,
+                })
+            })
+            .collect();
+        let body = json!({ "items": items });
+        async move {
+            let r = tokio::time::timeout(CALL_TIMEOUT, http.post("/v1/grants", &body))
+                .await
+                .map_err(|_| "grant batch timed out".to_string())?;
+            let granted = r.body["items"].as_array().is_some_and(|a| {
+                a.len() == size
+                    && a.iter().all(|i| i["status"] == 200 && i["grant"]["tokens"].as_i64() > Some(0))
+            });
+            if r.status == 200 && granted {
+                Ok(())
+            } else {
+                Err(format!("grant batch answered {} {}", r.status, r.body))
+            }
+        }
+        .boxed()
+    })
+}
+
+/// Batches of `size` grants from [`BATCH_AGENTS`] fresh agents on the
+/// first replica, spread over `quotas`, in a closed loop for `dur`; the
+/// sample's `per_s` is grants (not requests) per second.
+async fn batches(rig: &Rig, quotas: Quotas, size: usize, dur: Duration, run: &str) -> Result<Sample, String> {
+    let http = rig.allocators[0].http();
+    let registered = crate::pools::register_agents(&http, "bench", run, BATCH_AGENTS).await?;
+    let mut s = closed_loop(BATCH_AGENTS, dur, batch_op(http, quotas, size, registered)).await?;
+    s.per_s *= size as f64;
+    Ok(s)
 }
 
 /// Grants of `want` 1 from `agents` fresh agents (named after `run`, so
@@ -256,6 +310,21 @@ pub async fn run(rig: &Rig, plan: &Plan, out: &mut Results, progress: &dyn Fn(&s
             out.set(&format!("grants.c64.{s}"), v);
         }
     }
+    // Batched renewals: 1, 16 and 64 grants per request, beside the single
+    // form above (`grants.c64.q10k.r1`).
+    for size in BATCH_SIZES {
+        let mut s = Vec::new();
+        for rep in 0..plan.reps {
+            progress(&format!("grants: batches of {size}, repetition {}/{}", rep + 1, plan.reps));
+            s.push(batches(rig, Quotas::Many(many), size, plan.grants, &format!("b{size}-{rep}")).await?);
+        }
+        Medians::of(&s).put(
+            out,
+            &format!("grants.batch.b{size}"),
+            "grants_per_s",
+            &format!("grants batch {size}"),
+        );
+    }
     if many != 10_000 {
         out.note(format!("grants \"q10k\" cases used {many} quotas in this mode, not 10,000"));
     }
@@ -317,6 +386,11 @@ impl Measured {
     /// Case `case` (`hot.r1`, `q10k.r2`, ...) of `r`.
     pub fn of(r: &super::report::BenchReport, case: &str) -> Measured {
         super::view::part(r, &format!("grants.c64.{case}"))
+    }
+
+    /// Batches of `size` items (`grants.batch.b<size>.*`) of `r`.
+    pub fn batch(r: &super::report::BenchReport, size: usize) -> Measured {
+        super::view::part(r, &format!("grants.batch.b{size}"))
     }
 }
 

@@ -71,6 +71,7 @@ pub fn body(r: &BenchReport) -> String {
     envoy_table(&mut s, r);
     stages_table(&mut s, r);
     grants_table(&mut s, r, &plan);
+    batch_table(&mut s, r, &plan);
     tls_table(&mut s, r);
     scaling_table(&mut s, r, &plan);
 
@@ -264,6 +265,23 @@ fn grants_table(s: &mut String, r: &BenchReport, plan: &Plan) {
             cell(grants::Pgbench::of(r, pg).tps),
             cell(m.ratio_to_ceiling),
         );
+    }
+}
+
+/// Grants asked for in batches (`POST /v1/grants` with `items`).
+fn batch_table(s: &mut String, r: &BenchReport, plan: &Plan) {
+    let b = grants::BATCH_AGENTS;
+    let _ = writeln!(
+        s,
+        "\n## Allocator grants in batches ({b} concurrent agents, {} quotas, 1 replica)\n",
+        plan.many_quotas
+    );
+    let _ = writeln!(s, "| items per request | grants/s | p50 ms (request) | p99 ms (request) |");
+    let _ = writeln!(s, "|---|---|---|---|");
+    for size in grants::BATCH_SIZES {
+        let m = grants::Measured::batch(r, size);
+        let _ =
+            writeln!(s, "| {size} | {} | {} | {} |", cell(m.grants_per_s), cell(m.p50_ms), cell(m.p99_ms));
     }
 }
 

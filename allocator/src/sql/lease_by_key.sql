@@ -1,6 +1,0 @@
-select lease_id, tenant, resource, region, agent, epoch, seq, window_start, window_secs, want, demand_per_sec,
-       window_sel, tokens, issued_at, expires_at, policy_version, fallback_allowance, fail_mode, pool_limit,
-       pool_granted, pool_available, retry_after_ms, unspent, returned, released_at,
-       per_key_rate_milli, per_key_burst, enforce
-from lease
-where region = $1 and agent = $2 and epoch = $3 and seq = $4
