@@ -56,6 +56,9 @@ pub fn key_hold_for(refill_ms: i64, to_end_ms: i64) -> Option<Duration> {
 #[derive(Debug, Clone, Copy)]
 struct KeyHold {
     until: Instant,
+    /// When the bucket holds the cost again (the answer's retry hint; the
+    /// hold itself may end sooner, at the window's end).
+    refilled: Instant,
     cost: i64,
     remaining: i64,
 }
@@ -95,8 +98,10 @@ impl Negative {
         let k = key?;
         let keys = self.keys.lock().unwrap();
         let h = keys.get(k)?;
-        (now < h.until && cost >= h.cost)
-            .then(|| Held::Key { retry_ms: ms(h.until - now), remaining: h.remaining })
+        (now < h.until && cost >= h.cost).then(|| Held::Key {
+            retry_ms: ms(h.refilled.saturating_duration_since(now)),
+            remaining: h.remaining,
+        })
     }
 
     /// Holds the pool's refusal for `d` from `now`.
@@ -112,13 +117,14 @@ impl Negative {
     /// Holds `key`'s refusal of `cost` (`remaining` whole tokens left) for
     /// `d` from `now`; expired holds are dropped first, and a full map
     /// holds nothing more.
-    pub fn hold_key(&self, key: &str, cost: i64, remaining: i64, d: Duration, now: Instant) {
+    pub fn hold_key(&self, key: &str, cost: i64, remaining: i64, refill_ms: i64, d: Duration, now: Instant) {
         let mut keys = self.keys.lock().unwrap();
         if keys.len() >= MAX_KEYS {
             keys.retain(|_, h| h.until > now);
         }
         if keys.len() < MAX_KEYS || keys.contains_key(key) {
-            keys.insert(key.to_string(), KeyHold { until: now + d, cost, remaining });
+            let refilled = now + Duration::from_millis(refill_ms.max(0) as u64);
+            keys.insert(key.to_string(), KeyHold { until: now + d, refilled, cost, remaining });
         }
     }
 
@@ -170,13 +176,17 @@ mod tests {
     fn a_key_hold_refuses_that_key_at_that_cost_or_more_only() {
         let n = Negative::default();
         let t0 = Instant::now();
-        n.hold_key("alice", 3, 1, Duration::from_millis(300), t0);
+        n.hold_key("alice", 3, 1, 300, Duration::from_millis(300), t0);
         let at = t0 + Duration::from_millis(100);
         assert_eq!(n.check(Some("alice"), 3, at), Some(Held::Key { retry_ms: 200, remaining: 1 }));
         assert_eq!(n.check(Some("alice"), 1, at), None, "a smaller cost may fit the bucket");
         assert_eq!(n.check(Some("bob"), 3, at), None);
         assert_eq!(n.check(None, 3, at), None);
         assert_eq!(n.check(Some("alice"), 3, t0 + Duration::from_millis(300)), None);
+        // Held until the window ends (100 ms), answered with the refill (1 s).
+        n.hold_key("carol", 1, 0, 1000, Duration::from_millis(100), t0);
+        let held = n.check(Some("carol"), 1, t0 + Duration::from_millis(50));
+        assert_eq!(held, Some(Held::Key { retry_ms: 950, remaining: 0 }));
     }
 
     #[test]
@@ -184,12 +194,12 @@ mod tests {
         let n = Negative::default();
         let t0 = Instant::now();
         for i in 0..MAX_KEYS {
-            n.hold_key(&format!("k{i}"), 1, 0, Duration::from_millis(10), t0);
+            n.hold_key(&format!("k{i}"), 1, 0, 10, Duration::from_millis(10), t0);
         }
-        n.hold_key("late", 1, 0, Duration::from_millis(10), t0);
+        n.hold_key("late", 1, 0, 10, Duration::from_millis(10), t0);
         assert_eq!(n.check(Some("late"), 1, t0), None, "full: not held");
         let later = t0 + Duration::from_millis(20);
-        n.hold_key("late", 1, 0, Duration::from_millis(10), later);
+        n.hold_key("late", 1, 0, 10, Duration::from_millis(10), later);
         assert!(n.check(Some("late"), 1, later).is_some(), "expired holds made room");
         assert!(n.keys.lock().unwrap().len() <= MAX_KEYS);
     }

@@ -292,7 +292,7 @@ async fn spend_with_waits(
                 let i = active.get(quota).copied().unwrap_or(active[0]);
                 if let (Some(k), None) = (&req.key, &req.request_id) {
                     if let Some(d) = negative::key_hold_for(retry_ms, ms_to_window_end(app, ps[i])) {
-                        qs[i].negative.hold_key(k, req.wants[i].cost, remaining, d, Instant::now());
+                        qs[i].negative.hold_key(k, req.wants[i].cost, remaining, retry_ms, d, Instant::now());
                     }
                 }
                 let resource = req.wants[i].resource.clone();
