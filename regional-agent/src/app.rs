@@ -168,12 +168,12 @@ impl App {
 
     /// Whether the allocator counts as reachable (see the crate doc).
     pub fn allocator_reachable(&self) -> bool {
-        self.alloc.breaker.reachable()
+        self.decider.allocator_reachable()
     }
 
     /// See [`AllocatorClock::now`].
     pub fn allocator_now(&self) -> chrono::DateTime<chrono::Utc> {
-        self.alloc_clock.now()
+        self.decider.allocator_now()
     }
 
     /// Runs `f` as a background task the shutdown waits for (and cuts at
