@@ -33,6 +33,8 @@ pub struct App {
     pub keys: Keys,
     pub store: Store,
     pub alloc: Arc<AllocatorClient>,
+    /// The renewers' grants, batched (see [`crate::grant_batch`]).
+    pub grants: Arc<crate::grant_batch::Grants>,
     pub quotas: Arc<Quotas>,
     pub ident: Arc<Identity>,
     pub metrics: Arc<Registry>,
@@ -150,6 +152,7 @@ impl App {
             settings,
             store,
             alloc: d.alloc.clone(),
+            grants: Arc::new(crate::grant_batch::Grants::new(d.alloc.clone())),
             quotas,
             ident: d.ident.clone(),
             metrics: d.metrics.clone(),

@@ -124,8 +124,6 @@ pub struct AllocatorClient {
     /// Why the latest call found the allocator unreachable; cleared by an
     /// answer. A std `Mutex`: set and read without an await in between.
     last_error: Mutex<Option<String>>,
-    /// Grants waiting to leave together (see [`crate::grant_batch`]).
-    pub(crate) grants: crate::grant_batch::GrantQueue,
 }
 
 impl AllocatorClient {
@@ -147,7 +145,6 @@ impl AllocatorClient {
             token,
             breaker: Breaker::default(),
             last_error: Mutex::new(None),
-            grants: Default::default(),
         })
     }
 

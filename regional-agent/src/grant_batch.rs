@@ -1,5 +1,5 @@
 //! Renewals of many quotas in few requests. Each quota's renewer asks for
-//! its own grant ([`AllocatorClient::grant`]); the grants asked for while
+//! its own grant ([`Grants::grant`]); the grants asked for while
 //! one request is on its way to the allocator wait and leave together, as
 //! one `POST /v1/grants` with `items` (at most [`MAX_GRANT_BATCH`]), when
 //! it comes back. A grant alone leaves at once in the single form, so
@@ -22,9 +22,11 @@ use tokio::sync::oneshot;
 
 type Answer = Result<GrantResponse, CallError>;
 
-/// Grants waiting to be sent, and whether a sender is running.
-#[derive(Default)]
-pub struct GrantQueue {
+/// The agent's grants: those waiting to be sent, whether a sender is
+/// running, and the client that sends them (one per agent, shared by every
+/// renewer).
+pub struct Grants {
+    client: Arc<AllocatorClient>,
     state: Mutex<Queue>,
     /// Set once the allocator refused the batch form as a whole.
     singles_only: AtomicBool,
@@ -36,7 +38,12 @@ struct Queue {
     sending: bool,
 }
 
-impl GrantQueue {
+impl Grants {
+    /// Grants sent through `client`.
+    pub fn new(client: Arc<AllocatorClient>) -> Grants {
+        Grants { client, state: Mutex::default(), singles_only: AtomicBool::new(false) }
+    }
+
     /// Queues `req`; starts the sender when none runs.
     fn push(&self, req: GrantRequest, tx: oneshot::Sender<Answer>) -> bool {
         let mut q = self.state.lock().unwrap();
@@ -55,17 +62,15 @@ impl GrantQueue {
         let n = q.waiting.len().min(MAX_GRANT_BATCH);
         Some(q.waiting.drain(..n).collect())
     }
-}
 
-impl AllocatorClient {
     /// `POST /v1/grants` for one quota, sent alone or with the grants of
     /// other quotas asked for meanwhile (see the module docs).
     pub async fn grant(self: &Arc<Self>, req: &GrantRequest) -> Answer {
         let (tx, rx) = oneshot::channel();
-        if self.grants.push(req.clone(), tx) {
+        if self.push(req.clone(), tx) {
             let me = self.clone();
             tokio::spawn(async move {
-                while let Some(batch) = me.grants.take() {
+                while let Some(batch) = me.take() {
                     me.send_grants(batch).await;
                 }
             });
@@ -74,14 +79,14 @@ impl AllocatorClient {
     }
 
     async fn send_grants(self: &Arc<Self>, batch: Vec<(GrantRequest, oneshot::Sender<Answer>)>) {
-        if self.grants.singles_only.load(Ordering::Relaxed) {
+        if self.singles_only.load(Ordering::Relaxed) {
             self.send_singles(batch);
             return;
         }
         if let [(req, _)] = batch.as_slice() {
             // Alone: the single form, awaited, so what is asked for
             // meanwhile queues for the next request.
-            let answer = self.grant_single(req).await;
+            let answer = self.client.grant_single(req).await;
             if let Some((_, tx)) = batch.into_iter().next() {
                 let _ = tx.send(answer);
             }
@@ -89,7 +94,7 @@ impl AllocatorClient {
         }
         let (reqs, txs): (Vec<_>, Vec<_>) = batch.into_iter().unzip();
         let body = GrantBatchRequest { items: reqs };
-        let answer = self.post_grants(&body).await;
+        let answer = self.client.post_grants(&body).await;
         match answer {
             Ok(r) if r.items.len() == txs.len() => {
                 for (item, tx) in r.items.into_iter().zip(txs) {
@@ -100,7 +105,7 @@ impl AllocatorClient {
             // one, or a batch it cannot take. The items go one by one.
             Ok(_) | Err(CallError::Refused { .. }) => {
                 tracing::info!("the allocator refused a grant batch; renewals go one request per quota");
-                self.grants.singles_only.store(true, Ordering::Relaxed);
+                self.singles_only.store(true, Ordering::Relaxed);
                 self.send_singles(body.items.into_iter().zip(txs).collect());
             }
             Err(e @ CallError::Unreachable(_)) => {
@@ -117,7 +122,7 @@ impl AllocatorClient {
         for (req, tx) in batch {
             let me = self.clone();
             tokio::spawn(async move {
-                let _ = tx.send(me.grant_single(&req).await);
+                let _ = tx.send(me.client.grant_single(&req).await);
             });
         }
     }
@@ -128,7 +133,7 @@ impl AllocatorClient {
             (200, Some(g), _) => Ok(g),
             (status, _, error) if status >= 500 || status == 408 => {
                 let why = error.map(|e| e.error).unwrap_or_default();
-                Err(self.unreachable(format!("status {status} {why}")))
+                Err(self.client.unreachable(format!("status {status} {why}")))
             }
             (status, _, error) => {
                 let (code, message) =

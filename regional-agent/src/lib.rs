@@ -44,6 +44,8 @@
 //!   offset, computed at each scrape of `/metrics`.
 //! * [`client`], [`breaker`]: the allocator client with timeouts, capped
 //!   exponential backoff with jitter and a circuit breaker.
+//! * [`grant_batch`]: the renewers' grants, sent through the client and
+//!   batched into one `POST /v1/grants` while another is on its way.
 //! * [`identity`]: the agent's epoch and grant sequence (I4, I3).
 //! * [`epoch`]: registration and fences (I4).
 //! * [`registry`]: the one place a quota is created and its renewer
@@ -65,6 +67,10 @@
 //!   admit that debits nothing, counted for the report.
 //! * [`headers`]: the `RateLimit` headers of the most restrictive limit.
 //! * [`batch`]: concurrent decisions on one quota share one script run.
+//! * [`spend_run`]: one run of the spend script for a batch, settled (each
+//!   quota adopts the token the run saw, a loss is handled) before its
+//!   answers go out; a decision goes down `spend` → `batch` → `spend_run` →
+//!   `scripts` → `store` and never back up.
 //! * [`renew`]: the background renewer (DESIGN §4), crediting (I5, I4).
 //! * [`plan`]: the renewer's rule as pure arithmetic: whether to renew the
 //!   current and the next window, and how many tokens to ask for.
@@ -265,6 +271,7 @@ pub mod scripts;
 pub mod sentinel;
 pub mod shadow;
 pub mod spend;
+pub mod spend_run;
 pub mod status_report;
 pub mod step;
 pub mod store;

@@ -18,7 +18,7 @@
 //! A request with a `request_id` never takes the shortcut: a repeat of an
 //! admitted request must get its first answer, which only the script has.
 //! Refusals answered here still count as demand (the allocator shares
-//! pools by demand): their costs are kept in [`Negative::uncounted`] and
+//! pools by demand): their costs are kept in `Negative::uncounted` and
 //! added to the region's demand counter by the renewer's next round.
 
 use std::collections::HashMap;

@@ -19,6 +19,7 @@ use crate::breaker::backoff;
 use crate::client::{AllocatorClient, CallError};
 use crate::commands;
 use crate::config::Settings;
+use crate::grant_batch::Grants;
 use crate::identity::Identity;
 use crate::keys::Keys;
 use crate::plan::{self, PlanInput};
@@ -68,6 +69,8 @@ pub struct Renewer {
     pub keys: Keys,
     pub store: Store,
     pub alloc: Arc<AllocatorClient>,
+    /// Where grants are asked for (batched with other quotas').
+    pub grants: Arc<Grants>,
     /// Observed on every credited grant (I8).
     pub alloc_clock: Arc<AllocatorClock>,
     pub clock: Arc<dyn Clock>,
@@ -87,6 +90,7 @@ impl Renewer {
             keys: app.keys.clone(),
             store: app.store.clone(),
             alloc: app.alloc.clone(),
+            grants: app.grants.clone(),
             alloc_clock: app.alloc_clock.clone(),
             clock: app.clock.clone(),
             quotas: app.quotas.clone(),
@@ -349,7 +353,7 @@ async fn grant(app: &Renewer, q: &Arc<Quota>, sel: WindowSel, want: i64, rate: f
         }
     };
     let sent = Instant::now();
-    let result = app.alloc.grant(&req).await;
+    let result = app.grants.grant(&req).await;
     let arrived = Instant::now();
     let outcome = match result {
         Ok(g) => {

@@ -17,7 +17,8 @@ use crate::negative::{self, Held};
 use crate::quotas::{self, PolicyInfo, Quota};
 use crate::request::{Acquire, Decided, Paid, Refused, ResourceCost, Shadow};
 use crate::request_id;
-use crate::scripts::{self, Admit, Ask, Caller, Common, On, Outcome, Part, Spend};
+use crate::scripts::{Admit, Ask, Common, Outcome, Spend};
+use crate::spend_run;
 use crate::step::{step, Seen, Step, MAX_TRIES};
 use quota_shared::window::Window;
 use quota_shared::wire::FailMode;
@@ -397,20 +398,14 @@ async fn spend_once(
     let ask = Ask { costs, rid, count_demand, key };
     let sent = Instant::now();
     let r = if let [i] = active {
-        let q = qs[*i].clone();
-        let run = {
-            let (app, q) = (app.clone(), q.clone());
-            move |common, asks: Vec<Ask>| {
-                let (app, q) = (app.clone(), q.clone());
-                async move { spend_run(&app, &[q], &[common], &asks).await }
-            }
-        };
-        batch::spend(&q.spends, app.settings.redis_timeout, common(*i), ask, run).await
+        let q = &qs[*i];
+        batch::spend(&q.spends, app.settings.redis_timeout, common(*i), ask, spend_run::runner(app, q)).await
     } else {
         let quotas: Vec<Arc<Quota>> = active.iter().map(|&i| qs[i].clone()).collect();
         let commons: Vec<Common> = active.iter().map(|&i| common(i)).collect();
         let bound = app.settings.redis_timeout;
-        match tokio::time::timeout(bound, spend_run(app, &quotas, &commons, std::slice::from_ref(&ask))).await
+        match tokio::time::timeout(bound, spend_run::run(app, &quotas, &commons, std::slice::from_ref(&ask)))
+            .await
         {
             Ok(r) => batch::first(r),
             Err(_) => Err(crate::store::StoreError::Timeout(bound)),
@@ -418,39 +413,4 @@ async fn spend_once(
     };
     app.metrics.observe("agent_acquire_store_seconds", &[], sent.elapsed().as_secs_f64());
     r
-}
-
-/// One run of the spend script for `asks` on `quotas`, settled (each
-/// quota's token adopted, a loss handled) before its answers go out.
-async fn spend_run(
-    app: &Arc<Decider>,
-    quotas: &[Arc<Quota>],
-    commons: &[Common],
-    asks: &[Ask],
-) -> batch::RunAnswer {
-    app.metrics.inc("agent_spend_runs_total", &[]);
-    let tokens: Vec<String> = quotas.iter().map(|q| q.token()).collect();
-    let parts: Vec<Part> = quotas
-        .iter()
-        .zip(commons)
-        .zip(&tokens)
-        .map(|((q, c), t)| Part { on: On { prefix: &q.prefix, token: t }, common: *c })
-        .collect();
-    let by = Caller { agent: &app.settings.agent, epoch: app.ident.epoch() };
-    let r = scripts::spend(&app.store, by, &parts, asks).await?;
-    Ok(match r {
-        Outcome::Lost(l) => {
-            let o = Outcome::Lost(l.clone());
-            if let Some(q) = quotas.get(l.quota) {
-                q.settle(&o, &app.ident, &app.metrics);
-            }
-            o
-        }
-        Outcome::Ran { value, .. } => {
-            for (q, token) in quotas.iter().zip(&value.tokens) {
-                q.settle(&Outcome::Ran { token: token.clone(), value: () }, &app.ident, &app.metrics);
-            }
-            Outcome::Ran { token: value.tokens.first().cloned().unwrap_or_default(), value: value.decisions }
-        }
-    })
 }
