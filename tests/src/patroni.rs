@@ -6,15 +6,17 @@
 //! ```text
 //!  client ─▶ HAProxy ─┬─▶ node1 postgres ◀─ patroni ─┐
 //!            (/primary)└─▶ node2 postgres ◀─ patroni ─┴─▶ etcd
-//!  node2 streams from node1's repl link (and the other way after a failover)
+//!  node2 streams from node1 (and the other way after a failover)
 //! ```
 //!
 //! The configuration files are generated from `deploy/patroni/` (the
 //! operator's example): the harness only substitutes ports, directories
 //! and the lab's short timings, so the example is what the tests run.
-//! Each node's `connect_address` (what the other node streams from) is a
-//! [`FaultProxy`] in front of its PostgreSQL, so a scenario can cut
-//! replication.
+//! A scenario starves the replica by freezing the primary's WAL senders
+//! ([`PatroniCluster::freeze_replication`]): the replication connection
+//! stays up, as on a congested link, so Patroni keeps the replica as its
+//! synchronous standby (a closed connection would make Patroni withdraw
+//! it, and then refuse to promote it).
 //!
 //! Everything runs on free loopback ports in a temporary directory;
 //! processes are killed and the directory removed when the
@@ -23,7 +25,6 @@
 
 use crate::pg::{make_dir, pg_bin, scratch_root};
 use crate::procs::{self, Child, NOBODY};
-use crate::proxy::FaultProxy;
 use crate::wait;
 use sqlx::{Connection, PgConnection};
 use std::io::{Read, Write};
@@ -74,8 +75,6 @@ pub struct PatroniNode {
     pub pg_port: u16,
     /// Patroni's REST API port.
     pub rest_port: u16,
-    /// The node's `connect_address`: the other node streams from here.
-    pub repl_link: FaultProxy,
     patroni: Option<Child>,
     dir: PathBuf,
     config: PathBuf,
@@ -118,6 +117,18 @@ impl PatroniNode {
         }
     }
 
+    /// The node's WAL sender processes (one per replica streaming from it).
+    fn wal_senders(&self) -> Vec<i32> {
+        let Some(postmaster) = self.postmaster_pid() else { return Vec::new() };
+        procs::children_of(postmaster)
+            .into_iter()
+            .filter(|pid| {
+                std::fs::read(format!("/proc/{pid}/cmdline"))
+                    .is_ok_and(|c| String::from_utf8_lossy(&c).contains("walsender"))
+            })
+            .collect()
+    }
+
     /// Patroni's log.
     pub fn log(&self) -> String {
         std::fs::read_to_string(self.dir.join("patroni.log")).unwrap_or_default()
@@ -144,7 +155,10 @@ pub struct PatroniCluster {
 
 /// Directory of PostgreSQL's server binaries (Patroni's `bin_dir`).
 fn pg_bin_dir() -> Result<PathBuf, String> {
+    // Resolved: a `postgres` on PATH may be a symlink into the version's
+    // directory, where Patroni finds the other tools (pg_controldata, ...).
     let postgres = pg_bin("postgres")?;
+    let postgres = postgres.canonicalize().map_err(|e| format!("{}: {e}", postgres.display()))?;
     postgres.parent().map(Path::to_path_buf).ok_or_else(|| "postgres has no directory".into())
 }
 
@@ -164,7 +178,9 @@ pub fn available() -> Result<(), String> {
 
 /// `GET http://127.0.0.1:{port}{path}`'s status, `None` when nothing answers.
 async fn rest_status(port: u16, path: &str) -> Option<u16> {
-    let client = reqwest::Client::builder().timeout(CALL_TIMEOUT).build().ok()?;
+    static CLIENT: std::sync::OnceLock<Option<reqwest::Client>> = std::sync::OnceLock::new();
+    let client =
+        CLIENT.get_or_init(|| crate::http::client_builder().timeout(CALL_TIMEOUT).build().ok()).as_ref()?;
     client.get(format!("http://127.0.0.1:{port}{path}")).send().await.ok().map(|r| r.status().as_u16())
 }
 
@@ -198,8 +214,6 @@ impl PatroniCluster {
             make_dir(&node_dir)?;
             let pg_port = crate::free_port();
             let rest_port = crate::free_port();
-            let repl_link =
-                FaultProxy::start(vec![format!("127.0.0.1:{pg_port}")]).await.map_err(|e| e.to_string())?;
             let yml = render(
                 PATRONI_TEMPLATE,
                 &[
@@ -211,7 +225,7 @@ impl PatroniCluster {
                     ("RETRY_TIMEOUT", RETRY_TIMEOUT.to_string()),
                     ("SYNCHRONOUS_MODE", synchronous.to_string()),
                     ("PG_PORT", pg_port.to_string()),
-                    ("CONNECT_ADDRESS", repl_link.addr.clone()),
+                    ("CONNECT_ADDRESS", format!("127.0.0.1:{pg_port}")),
                     ("DATA_DIR", node_dir.join("data").display().to_string()),
                     ("BIN_DIR", bin_dir.display().to_string()),
                     ("DIR", node_dir.display().to_string()),
@@ -219,8 +233,7 @@ impl PatroniCluster {
             )?;
             let config = node_dir.join("patroni.yml");
             std::fs::write(&config, yml).map_err(|e| format!("{}: {e}", config.display()))?;
-            let mut node =
-                PatroniNode { name, pg_port, rest_port, repl_link, patroni: None, dir: node_dir, config };
+            let mut node = PatroniNode { name, pg_port, rest_port, patroni: None, dir: node_dir, config };
             cluster.spawn_patroni(&mut node)?;
             cluster.nodes.push(node);
             if i == 1 {
@@ -374,6 +387,25 @@ impl PatroniCluster {
     /// stays in etcd until `ttl` runs out, then the other node promotes.
     pub fn kill_node(&mut self, i: usize) {
         self.nodes[i].kill();
+    }
+
+    /// Freezes (SIGSTOP) node `i`'s WAL senders: its replica receives
+    /// nothing more while the replication connection stays up (a link that
+    /// stalls, not one that breaks). A synchronous primary then
+    /// acknowledges no commit; an asynchronous one goes on acknowledging
+    /// commits only it holds. Undone only by killing the node.
+    pub fn freeze_replication(&self, i: usize) -> Result<usize, String> {
+        let pids = self.nodes[i].wal_senders();
+        if pids.is_empty() {
+            return Err(format!("{} has no WAL sender", self.nodes[i].name));
+        }
+        for pid in &pids {
+            // SAFETY: kill of a process this harness's Patroni started.
+            unsafe {
+                libc::kill(*pid, libc::SIGSTOP);
+            }
+        }
+        Ok(pids.len())
     }
 
     /// Planned switchover with `patronictl switchover` from the current
