@@ -85,6 +85,10 @@ pub const SCENARIOS: &[(&str, &str)] = &[
     ("netns-partition", "a region cut off at the kernel level (network namespace)"),
 ];
 
+/// The scenarios whose database is a Patroni cluster behind HAProxy.
+pub const PATRONI_SCENARIOS: &[&str] =
+    &["postgres-failover", "postgres-failover-async", "postgres-switchover", "etcd-loss"];
+
 async fn run_one(name: &str, p: &Profile, bins: &bins::Bins) -> Result<ScenarioReport, String> {
     let b = bins.clone();
     match name {
@@ -130,6 +134,9 @@ pub async fn run(args: ChaosArgs) -> Result<bool, String> {
         None => SCENARIOS.iter().map(|(n, _)| *n).collect(),
     };
     bins::check_servers()?;
+    if names.iter().any(|n| PATRONI_SCENARIOS.contains(n)) {
+        crate::install::check_ha_packages()?;
+    }
     let bins = bins::ensure()?;
     let profile = Profile::named(&args.profile);
     let mut reports = Vec::new();
