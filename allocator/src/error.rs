@@ -177,12 +177,14 @@ pub fn on_constraint(
 
 /// SQLSTATEs that mean the server cannot serve right now and a retry may
 /// succeed: statement or lock timeouts (57014, 55P03), shutdown and
-/// connection classes (57P0x, 08xxx), too many connections (53300), and a
-/// transaction chosen as a deadlock or serialization victim (40P01, 40001).
+/// connection classes (57P0x, 08xxx), too many connections (53300), a
+/// transaction chosen as a deadlock or serialization victim (40P01, 40001),
+/// and a write refused by a server in read-only mode (25006: a primary
+/// Patroni demoted, or a replica reached before the load balancer noticed).
 fn is_unavailable_sqlstate(code: Option<&str>) -> bool {
     match code {
         Some(c) => {
-            matches!(c, "57014" | "55P03" | "53300" | "40P01" | "40001")
+            matches!(c, "57014" | "55P03" | "53300" | "40P01" | "40001" | "25006")
                 || c.starts_with("57P")
                 || c.starts_with("08")
         }
@@ -191,6 +193,12 @@ fn is_unavailable_sqlstate(code: Option<&str>) -> bool {
 }
 
 impl Error {
+    /// Whether this is a database failover seen from a connection
+    /// ([`crate::tx::is_failover_error`]): retried where safe.
+    pub fn is_failover(&self) -> bool {
+        matches!(self, Error::DatabaseUnavailable(e) if crate::tx::is_failover_error(e))
+    }
+
     /// The JSON body of this error (logging an internal cause, never
     /// answering it): an HTTP answer's, or one batch item's.
     pub fn to_body(&self) -> ErrorBody {

@@ -9,6 +9,9 @@
 //! makes concurrent grants from any number of replicas safe) is held only
 //! for the statement's own work, never across a network wait.
 //!
+//! A grant that meets a PostgreSQL failover (closed connection, read-only
+//! server) is sent again within a short budget (`crate::tx::retry_failover`).
+//!
 //! A batch (`{"items": [...]}`) decides each item exactly as the single form
 //! would, several at a time on the connection pool, and answers them item
 //! by item with the single form's status and body.
@@ -182,17 +185,23 @@ async fn grant_one(
         return Err(e);
     }
     let started = Instant::now();
-    let mut attempts = 0;
-    // Two requests with one key racing on different pools both miss the
-    // lookup; the loser hits the unique key and retries once to read the
-    // winner's lease. Two attempts always suffice: the key then exists.
-    let outcome = loop {
-        attempts += 1;
-        match try_grant(state, req).await {
-            Err(Error::KeyTaken(_)) if attempts < 2 => continue,
-            other => break other,
+    // Across a PostgreSQL failover the statement is sent again on a fresh
+    // connection: safe, since a grant is idempotent by its key (I3), so an
+    // attempt that committed before its answer was lost is replayed.
+    let outcome = crate::tx::retry_failover("grant", || async {
+        let mut attempts = 0;
+        // Two requests with one key racing on different pools both miss the
+        // lookup; the loser hits the unique key and retries once to read the
+        // winner's lease. Two attempts always suffice: the key then exists.
+        loop {
+            attempts += 1;
+            match try_grant(state, req).await {
+                Err(Error::KeyTaken(_)) if attempts < 2 => continue,
+                other => break other,
+            }
         }
-    };
+    })
+    .await;
     let result = match outcome {
         // `expires_in_ms` is counted from the database's instant read in the
         // grant statement, after the agent sent the request: the agent's

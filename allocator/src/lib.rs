@@ -160,6 +160,10 @@ pub async fn connect(database_url: &str, max_connections: u32) -> Result<PgPool,
     let pool = PgPoolOptions::new()
         .max_connections(max_connections)
         .acquire_timeout(Duration::from_secs(3))
+        // After a failover error, connections opened before it may still
+        // lead to the old primary: closed here rather than each failing a
+        // request of its own (see crate::tx).
+        .before_acquire(|_conn, meta| Box::pin(async move { Ok(!tx::opened_before_failover(meta.age)) }))
         .connect_with(options)
         .await
         .map_err(|e| format!("cannot connect to PostgreSQL: {e}"))?;

@@ -128,7 +128,9 @@ pub(crate) async fn report(
 ) -> Result<Json<ReportResponse>> {
     validate(&req)?;
     let outcome = match scope.check(&req.region) {
-        Ok(()) => apply(&state, &req).await,
+        // Across a PostgreSQL failover the report is applied again on a
+        // fresh connection: safe, since it is idempotent by its id (I7).
+        Ok(()) => crate::tx::retry_failover("report", || apply(&state, &req)).await,
         Err(e) => Err(e),
     };
     match outcome {

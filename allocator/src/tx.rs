@@ -16,8 +16,19 @@
 //! connection is used again. Everything after `BEGIN` is cancel-safe in
 //! sqlx (a dropped transaction rolls back, a dropped statement is drained).
 //! `allocator/clippy.toml` forbids `Pool::begin` anywhere else.
+//!
+//! It also owns following a PostgreSQL failover (issue 34): which errors
+//! mean "this connection no longer reaches a writable primary"
+//! ([`is_failover_error`]), retrying a statement that is safe to repeat
+//! within a short budget ([`retry_failover`]), and dropping the pooled
+//! connections opened before the failover ([`opened_before_failover`]).
 
+use crate::error::Error;
 use sqlx::{PgPool, Postgres, Transaction};
+use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
 
 /// Begins a transaction on a connection of `db`.
 pub async fn begin(db: &PgPool) -> Result<Transaction<'static, Postgres>, sqlx::Error> {
@@ -29,5 +40,208 @@ pub async fn begin(db: &PgPool) -> Result<Transaction<'static, Postgres>, sqlx::
         Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
         // Only a runtime shutting down cancels the task.
         Err(_) => Err(sqlx::Error::PoolClosed),
+    }
+}
+
+/// How long a statement is retried across a PostgreSQL failover, from its
+/// first attempt: short enough to stay inside an agent's grant timeout,
+/// long enough to cover HAProxy noticing a demoted primary (its check runs
+/// every 500 ms, see deploy/patroni/haproxy.cfg) and a switchover's
+/// demote-then-promote.
+pub const FAILOVER_BUDGET: Duration = Duration::from_millis(900);
+
+/// Pauses between attempts; the last one repeats until the budget is spent.
+const FAILOVER_BACKOFF: [Duration; 4] = [
+    Duration::from_millis(25),
+    Duration::from_millis(75),
+    Duration::from_millis(150),
+    Duration::from_millis(250),
+];
+
+/// Whether `e` says the connection's server is not (or no longer) a
+/// writable primary, or the connection itself broke, so the same statement
+/// may succeed on a fresh connection through the load balancer: the
+/// session ended under it (closed or reset socket), the server refused a
+/// write because it now runs read-only (25006, a demoted primary or a
+/// replica reached through a stale route), it is shutting down or not yet
+/// accepting (57P01 admin shutdown, 57P02 crash shutdown, 57P03 cannot
+/// connect now), or a connection exception (class 08). Statement and lock
+/// timeouts, serialization failures and anything else are not failovers.
+pub fn is_failover_error(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Io(_) => true,
+        sqlx::Error::Database(db) => match db.code() {
+            Some(code) => matches!(&*code, "25006" | "57P01" | "57P02" | "57P03") || code.starts_with("08"),
+            None => false,
+        },
+        _ => false,
+    }
+}
+
+/// When (ms after [`clock_origin`], 0 for never) a failover error was last
+/// seen. Process-wide: an allocator process talks to one database.
+static LAST_FAILOVER_MS: AtomicU64 = AtomicU64::new(0);
+
+fn clock_origin() -> Instant {
+    static ORIGIN: OnceLock<Instant> = OnceLock::new();
+    *ORIGIN.get_or_init(Instant::now)
+}
+
+/// Records that a failover error was seen now: every pooled connection
+/// opened before this instant may lead to the old primary (a demoted one
+/// answers 25006 on each write), so the pool drops them
+/// ([`opened_before_failover`]) instead of handing them out one by one.
+pub fn mark_failover() {
+    let ms = clock_origin().elapsed().as_millis() as u64;
+    LAST_FAILOVER_MS.store(ms.max(1), Ordering::Relaxed);
+}
+
+/// Whether a connection `age` old was opened before the last failover
+/// error ([`mark_failover`]); the pool's `before_acquire` closes it.
+pub fn opened_before_failover(age: Duration) -> bool {
+    opened_before(LAST_FAILOVER_MS.load(Ordering::Relaxed), clock_origin().elapsed(), age)
+}
+
+/// Whether a connection `age` old at `now` was opened before the mark at
+/// `mark_ms` (0: no mark); instants count from [`clock_origin`].
+fn opened_before(mark_ms: u64, now: Duration, age: Duration) -> bool {
+    mark_ms != 0 && now.saturating_sub(age) < Duration::from_millis(mark_ms)
+}
+
+/// Runs `op` and, while it fails with a failover error
+/// ([`Error::is_failover`]), again on a fresh connection, until it succeeds,
+/// fails otherwise, or [`FAILOVER_BUDGET`] is spent (the last error is
+/// answered: 503). Only for operations safe to repeat: a grant is
+/// idempotent by its key (I3), a report by its id (I7), so an attempt that
+/// committed before its answer was lost is replayed, not applied twice.
+pub async fn retry_failover<T, F, Fut>(what: &'static str, mut op: F) -> Result<T, Error>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, Error>>,
+{
+    let started = Instant::now();
+    let mut attempt = 0;
+    loop {
+        match op().await {
+            Err(e) if e.is_failover() => {
+                mark_failover();
+                let pause = FAILOVER_BACKOFF[attempt.min(FAILOVER_BACKOFF.len() - 1)];
+                attempt += 1;
+                if started.elapsed() + pause > FAILOVER_BUDGET {
+                    return Err(e);
+                }
+                tracing::warn!(what, attempt, error = %e, "database failover: retrying on a fresh connection");
+                tokio::time::sleep(pause).await;
+            }
+            other => return other,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A server error with a SQLSTATE, as PostgreSQL reports one.
+    #[derive(Debug)]
+    struct Server(&'static str);
+
+    impl std::fmt::Display for Server {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            write!(f, "SQLSTATE {}", self.0)
+        }
+    }
+
+    impl std::error::Error for Server {}
+
+    impl sqlx::error::DatabaseError for Server {
+        fn message(&self) -> &str {
+            "server error"
+        }
+        fn code(&self) -> Option<std::borrow::Cow<'_, str>> {
+            Some(self.0.into())
+        }
+        fn as_error(&self) -> &(dyn std::error::Error + Send + Sync + 'static) {
+            self
+        }
+        fn as_error_mut(&mut self) -> &mut (dyn std::error::Error + Send + Sync + 'static) {
+            self
+        }
+        fn into_error(self: Box<Self>) -> Box<dyn std::error::Error + Send + Sync + 'static> {
+            self
+        }
+        fn kind(&self) -> sqlx::error::ErrorKind {
+            sqlx::error::ErrorKind::Other
+        }
+    }
+
+    fn server(code: &'static str) -> sqlx::Error {
+        sqlx::Error::Database(Box::new(Server(code)))
+    }
+
+    #[test]
+    fn failover_errors_are_read_only_shutdown_connection_and_closed_sockets() {
+        for code in ["25006", "57P01", "57P02", "57P03", "08000", "08003", "08006", "08P01"] {
+            assert!(is_failover_error(&server(code)), "{code}");
+        }
+        let closed = std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "connection closed");
+        assert!(is_failover_error(&sqlx::Error::Io(closed)));
+        // Timeouts, contention, constraint and anything not about the
+        // server's role or the connection: not retried here.
+        for code in ["57014", "55P03", "40001", "40P01", "23505", "53300", "42P01"] {
+            assert!(!is_failover_error(&server(code)), "{code}");
+        }
+        assert!(!is_failover_error(&sqlx::Error::PoolTimedOut));
+        assert!(!is_failover_error(&sqlx::Error::RowNotFound));
+    }
+
+    #[test]
+    fn a_read_only_primary_is_unavailable_and_a_failover() {
+        let e = Error::from(server("25006"));
+        assert_eq!(e.code(), "database_unavailable");
+        assert!(e.is_failover());
+        assert!(!Error::from(server("57014")).is_failover());
+    }
+
+    #[test]
+    fn connections_opened_before_a_failover_are_dropped() {
+        let s = Duration::from_secs;
+        // No failover seen: every connection is kept.
+        assert!(!opened_before(0, s(100), s(100)));
+        // Marked at 50 s: at 60 s a connection 20 s old predates the mark,
+        // one 5 s old was opened after it.
+        assert!(opened_before(50_000, s(60), s(20)));
+        assert!(!opened_before(50_000, s(60), s(5)));
+    }
+
+    #[tokio::test]
+    async fn failovers_are_retried_within_the_budget_and_other_errors_not() {
+        let mut calls = 0;
+        let r = retry_failover("test", || {
+            calls += 1;
+            let n = calls;
+            async move {
+                if n < 3 {
+                    Err(Error::from(server("57P01")))
+                } else {
+                    Ok(n)
+                }
+            }
+        })
+        .await;
+        assert_eq!(r.ok(), Some(3));
+        let started = Instant::now();
+        let r: Result<(), Error> =
+            retry_failover("test", || async { Err(Error::from(server("25006"))) }).await;
+        assert!(r.is_err());
+        assert!(started.elapsed() <= FAILOVER_BUDGET, "{:?}", started.elapsed());
+        let mut calls = 0;
+        let r: Result<(), Error> = retry_failover("test", || {
+            calls += 1;
+            async { Err(Error::from(server("23505"))) }
+        })
+        .await;
+        assert!(r.is_err());
+        assert_eq!(calls, 1);
     }
 }

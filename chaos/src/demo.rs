@@ -149,6 +149,7 @@ pub async fn run(args: DemoArgs) -> Result<bool, String> {
             Vec::new()
         },
         sentinel_regions: Vec::new(),
+        patroni: None,
     };
     let tls = if args.tls {
         say("generating a throwaway CA and certificates (rcgen)");

@@ -146,6 +146,36 @@ pub fn missing_packages() -> Vec<&'static str> {
     missing
 }
 
+/// The Debian packages of the highly available PostgreSQL the Patroni
+/// scenarios run (issue 34), with the commands each provides.
+pub const HA_PACKAGES: &[(&str, &[&str])] = &[
+    ("patroni", &["patroni", "patronictl"]),
+    ("etcd-server", &["etcd"]),
+    ("etcd-client", &["etcdctl"]),
+    ("haproxy", &["haproxy"]),
+];
+
+/// The HA packages some command of which `have` does not find.
+pub fn missing_ha_packages_with(have: impl Fn(&str) -> bool) -> Vec<&'static str> {
+    HA_PACKAGES.iter().filter(|(_, cmds)| !cmds.iter().all(|c| have(c))).map(|(p, _)| *p).collect()
+}
+
+/// For the scenarios on Patroni (`postgres-failover`, ...): `Err` with the
+/// exact install command when patroni, etcd or haproxy is missing (the
+/// harness looks on `PATH`, HAProxy also in /usr/sbin).
+pub fn check_ha_packages() -> Result<(), String> {
+    let sbin = [PathBuf::from("/usr/sbin"), PathBuf::from("/usr/local/sbin")];
+    let missing = missing_ha_packages_with(|c| find_binary(c, &sbin).is_some());
+    if missing.is_empty() {
+        return Ok(());
+    }
+    Err(format!(
+        "the PostgreSQL HA scenarios need {}.\n  run:\n    {}",
+        missing.join(" "),
+        command_line(&missing, !is_root())
+    ))
+}
+
 /// This machine, looked at.
 pub fn this_machine() -> Machine {
     let is_root = is_root();
@@ -289,6 +319,17 @@ mod tests {
                 "missing {missing:?} root {root} sudo {sudo} apt-get {apt} tty {tty} --yes {yes}"
             );
         }
+    }
+
+    #[test]
+    fn ha_packages_are_named_by_the_commands_they_provide() {
+        assert!(missing_ha_packages_with(|_| true).is_empty());
+        assert_eq!(missing_ha_packages_with(|_| false), ["patroni", "etcd-server", "etcd-client", "haproxy"]);
+        // patronictl without patroni's daemon still means the package.
+        assert_eq!(
+            missing_ha_packages_with(|c| c != "patroni" && c != "etcdctl"),
+            ["patroni", "etcd-client"]
+        );
     }
 
     #[test]

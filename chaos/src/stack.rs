@@ -7,6 +7,16 @@
 //!                    └─ redis link ─▶ Redis (one per region)
 //! ```
 //!
+//! With [`StackSpec::patroni`] the database is a Patroni cluster (etcd,
+//! two PostgreSQL nodes, HAProxy checking Patroni's `/primary`) generated
+//! from `deploy/patroni/`, and the allocators reach it through HAProxy
+//! only (no fault proxy on that link):
+//!
+//! ```text
+//!  allocator ─▶ HAProxy ─┬─▶ node1 (Patroni) ─┐
+//!                        └─▶ node2 (Patroni) ─┴─ etcd
+//! ```
+//!
 //! A region named in [`StackSpec::sentinel_regions`] gets a Redis Sentinel
 //! group (primary, replica, Sentinel) of its own instead, and its agents find
 //! the primary through the Sentinel (no fault proxy on that link: the
@@ -31,6 +41,7 @@ use crate::tls::LabTls;
 use quota_tests::agent::{AgentOpts, AgentProc};
 use quota_tests::allocator_proc::AllocatorProc;
 use quota_tests::http::Http;
+use quota_tests::patroni::PatroniCluster;
 use quota_tests::pg::TestDb;
 use quota_tests::proxy::FaultProxy;
 use quota_tests::redis::TestRedis;
@@ -48,6 +59,11 @@ pub struct StackSpec {
     pub agent_env: Vec<(String, String)>,
     /// Regions whose agents reach Redis through a Sentinel group.
     pub sentinel_regions: Vec<String>,
+    /// `Some(synchronous)`: the database is a Patroni cluster behind
+    /// HAProxy ([`PatroniCluster`], `synchronous_mode` as given) and the
+    /// allocators connect through HAProxy only; `None`: one PostgreSQL
+    /// behind the `pg_link` fault proxy.
+    pub patroni: Option<bool>,
 }
 
 impl StackSpec {
@@ -58,6 +74,7 @@ impl StackSpec {
             allocators: 1,
             agent_env: Vec::new(),
             sentinel_regions: Vec::new(),
+            patroni: None,
         }
     }
 }
@@ -79,9 +96,13 @@ pub struct Region {
 /// The running stack.
 pub struct Stack {
     pub bins: Bins,
-    pub db: TestDb,
-    /// Allocators → PostgreSQL.
-    pub pg_link: FaultProxy,
+    /// The one PostgreSQL (`None` with a Patroni cluster).
+    pub db: Option<TestDb>,
+    /// The highly available database, when the spec asks for it.
+    pub patroni: Option<PatroniCluster>,
+    /// Allocators → PostgreSQL (`None` with a Patroni cluster: HAProxy is
+    /// the allocators' only way in).
+    pub pg_link: Option<FaultProxy>,
     pub allocators: Vec<AllocatorProc>,
     /// Operator reads and policy writes go here (never faulted).
     pub api_link: FaultProxy,
@@ -127,11 +148,24 @@ impl Stack {
             None => Http::new(&format!("http://{addr}")),
         };
         let dir = tempfile::Builder::new().prefix("quota-lab-").tempdir().map_err(|e| e.to_string())?;
-        progress("starting PostgreSQL");
-        let db = TestDb::start().await;
-        let pg_addr = pg_link_target(&db.url);
-        let pg_link = FaultProxy::start(vec![pg_addr.clone()]).await.map_err(|e| e.to_string())?;
-        let database_url = db.url.replacen(&pg_addr, &pg_link.addr, 1);
+        let (db, patroni, pg_link, database_url) = match spec.patroni {
+            Some(synchronous) => {
+                progress(&format!(
+                    "starting etcd, two PostgreSQL nodes under Patroni (synchronous_mode: {synchronous}) and HAProxy"
+                ));
+                let cluster = PatroniCluster::start(synchronous).await?;
+                let url = cluster.url.clone();
+                (None, Some(cluster), None, url)
+            }
+            None => {
+                progress("starting PostgreSQL");
+                let db = TestDb::start().await;
+                let pg_addr = pg_link_target(&db.url);
+                let pg_link = FaultProxy::start(vec![pg_addr.clone()]).await.map_err(|e| e.to_string())?;
+                let database_url = db.url.replacen(&pg_addr, &pg_link.addr, 1);
+                (Some(db), None, Some(pg_link), database_url)
+            }
+        };
         let mut allocators = Vec::new();
         for i in 0..spec.allocators.max(1) {
             let log = dir.path().join(format!("allocator-{i}"));
@@ -203,7 +237,23 @@ impl Stack {
             }
             regions.push(Region { name: name.clone(), redis, redis_link, alloc_link, agents, sentinel });
         }
-        Ok(Stack { bins, db, pg_link, allocators, api_link, admin, regions, tls, dir })
+        Ok(Stack { bins, db, patroni, pg_link, allocators, api_link, admin, regions, tls, dir })
+    }
+
+    /// URL of the stack's database for the lab's own checks: the one
+    /// PostgreSQL directly, or a Patroni cluster through HAProxy (so it
+    /// follows the primary).
+    pub fn database_url(&self) -> String {
+        match (&self.db, &self.patroni) {
+            (Some(db), _) => db.url.clone(),
+            (None, Some(c)) => c.url.clone(),
+            (None, None) => unreachable!("a stack has one database or the other"),
+        }
+    }
+
+    /// The one PostgreSQL, for scenarios that kill or restart it.
+    pub fn local_db(&mut self) -> Result<&mut TestDb, String> {
+        self.db.as_mut().ok_or_else(|| "the stack's database is a Patroni cluster".to_string())
     }
 
     /// The region named `name`.
@@ -272,6 +322,9 @@ impl Stack {
             if let Some(g) = &r.sentinel {
                 let _ = std::fs::write(dir.join(format!("sentinel-{}.log", r.name)), g.logs());
             }
+        }
+        if let Some(c) = &self.patroni {
+            c.save_logs(dir);
         }
         Ok(())
     }

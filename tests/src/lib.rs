@@ -38,6 +38,7 @@ pub mod envoy;
 pub mod fixtures;
 pub mod http;
 pub mod listeners;
+pub mod patroni;
 pub mod pg;
 pub mod procs;
 pub mod promtool;

@@ -73,7 +73,7 @@ impl Drop for Server {
     }
 }
 
-fn pg_bin(name: &str) -> Result<PathBuf, String> {
+pub(crate) fn pg_bin(name: &str) -> Result<PathBuf, String> {
     let mut extra: Vec<PathBuf> = Vec::new();
     if let Ok(rd) = std::fs::read_dir("/usr/lib/postgresql") {
         let mut versions: Vec<PathBuf> = rd.flatten().map(|e| e.path().join("bin")).collect();
@@ -86,7 +86,7 @@ fn pg_bin(name: &str) -> Result<PathBuf, String> {
 }
 
 /// A directory the server user may write to.
-fn make_dir(path: &Path) -> Result<(), String> {
+pub(crate) fn make_dir(path: &Path) -> Result<(), String> {
     std::fs::create_dir_all(path).map_err(|e| format!("{}: {e}", path.display()))?;
     if procs::is_root() {
         std::os::unix::fs::chown(path, Some(NOBODY.0), Some(NOBODY.1)).map_err(|e| e.to_string())?;
@@ -95,7 +95,7 @@ fn make_dir(path: &Path) -> Result<(), String> {
 }
 
 /// The per-process scratch directory, removed when the process exits.
-fn scratch_root() -> &'static PathBuf {
+pub(crate) fn scratch_root() -> &'static PathBuf {
     static ROOT: OnceLock<PathBuf> = OnceLock::new();
     ROOT.get_or_init(|| {
         let root = std::env::temp_dir().join(format!("quota-tests-{}", std::process::id()));
@@ -255,15 +255,7 @@ impl TestDb {
         let server = self.server.as_ref().expect("signal_all needs a local server");
         let postmaster = server.child.as_ref().expect("server running").pid() as i32;
         let mut pids = vec![postmaster];
-        for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
-            let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else { continue };
-            let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else { continue };
-            // Fields after the command name (which may hold spaces): state, ppid, ...
-            let ppid = stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().nth(1));
-            if ppid.and_then(|p| p.parse::<i32>().ok()) == Some(postmaster) {
-                pids.push(pid);
-            }
-        }
+        pids.extend(procs::children_of(postmaster));
         for pid in pids {
             // SAFETY: kill of a process this harness started or its child.
             unsafe {

@@ -107,6 +107,21 @@ impl Drop for Child {
     }
 }
 
+/// The processes whose parent is `parent`.
+pub fn children_of(parent: i32) -> Vec<i32> {
+    let mut pids = Vec::new();
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else { continue };
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else { continue };
+        // Fields after the command name (which may hold spaces): state, ppid, ...
+        let ppid = stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().nth(1));
+        if ppid.and_then(|p| p.parse::<i32>().ok()) == Some(parent) {
+            pids.push(pid);
+        }
+    }
+    pids
+}
+
 /// Finds an executable on `PATH` or in the extra directories.
 pub fn find_binary(name: &str, extra_dirs: &[std::path::PathBuf]) -> Option<std::path::PathBuf> {
     let path = std::env::var_os("PATH").unwrap_or_default();

@@ -44,6 +44,7 @@ pub async fn run(
         allocators: 1,
         agent_env: vec![("RUST_LOG".into(), "warn".into())],
         sentinel_regions: Vec::new(),
+        patroni: None,
     };
     let stack = Stack::start(bins, &spec, &|s| progress(&format!("utilization: {s}"))).await?;
     let result = scenarios(&stack, plan, out, progress).await;

@@ -161,6 +161,7 @@ pub async fn allocator_kill(p: &Profile, bins: Bins) -> Result<ScenarioReport, S
         allocators: 2,
         agent_env: Vec::new(),
         sentinel_regions: Vec::new(),
+        patroni: None,
     };
     let mut run = Run::start("allocator-kill", p, bins, Some(spec), false).await?;
     run.traffic(&[("eu", EU), ("us", US)]);
@@ -253,7 +254,7 @@ pub async fn postgres_restart(p: &Profile, bins: Bins) -> Result<ScenarioReport,
     run.traffic(&[("eu", EU), ("us", US)]);
     run.pass(1.5).await;
     let before = totals(&run, "eu");
-    run.stack.db.restart().await;
+    run.stack.local_db()?.restart().await;
     let at = chrono::Utc::now();
     run.note("PostgreSQL SIGKILLed and restarted");
     run.pass(2.0).await;

@@ -86,6 +86,7 @@ impl Run {
             allocators: 1,
             agent_env: Vec::new(),
             sentinel_regions: Vec::new(),
+            patroni: None,
         });
         let stack = Stack::start(bins, &spec, &|m| eprintln!("chaos:   {m}")).await?;
         let policy = serde_json::json!({
@@ -94,7 +95,7 @@ impl Run {
             "fail_mode": if strict { "strict" } else { "bounded" },
         });
         crate::pools::put_policy(&stack.admin, TENANT, RESOURCE, &policy).await?;
-        let db = crate::pg_conn::connect(&stack.db.url, 2, "connect to the stack's database").await?;
+        let db = crate::pg_conn::connect(&stack.database_url(), 2, "connect to the stack's database").await?;
         Ok(Run {
             name,
             p: p.clone(),
@@ -232,7 +233,9 @@ impl Run {
             Some(t) => t.stop().await,
             None => Tally::new(),
         };
-        self.stack.pg_link.set(quota_tests::proxy::Fault::Pass);
+        if let Some(l) = &self.stack.pg_link {
+            l.set(quota_tests::proxy::Fault::Pass);
+        }
         for r in &self.stack.regions {
             r.alloc_link.set(quota_tests::proxy::Fault::Pass);
             r.redis_link.set(quota_tests::proxy::Fault::Pass);

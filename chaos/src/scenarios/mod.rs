@@ -68,17 +68,26 @@ pub const SCENARIOS: &[(&str, &str)] = &[
     ("redis-failover", "eu's Redis primary killed, Sentinel promotes a replica that missed writes, strict"),
     ("redis-eviction", "eu's Redis switched to maxmemory-policy allkeys-lru for 1.5 windows and back"),
     ("postgres-restart", "PostgreSQL killed and restarted: agents serve from leases"),
-    ("postgres-failover", "PostgreSQL primary killed, its synchronous standby promoted: no grant lost"),
+    (
+        "postgres-failover",
+        "Patroni + HAProxy: the primary's host killed, Patroni promotes its synchronous standby: no grant lost",
+    ),
     (
         "postgres-failover-async",
-        "the same with an asynchronous standby that missed commits: lost grants counted",
+        "the same with an asynchronous replica that missed commits: lost grants and reports counted",
     ),
+    ("postgres-switchover", "patronictl switchover (planned maintenance): nothing lost, the gap measured"),
+    ("etcd-loss", "etcd killed past the leader key's ttl: Patroni demotes the primary, 503s, resumes"),
     ("clock-skew", "agents with wall clocks 30 s ahead and behind"),
     ("demand-skew", "DESIGN §4 skew and contention outcomes, rollover without a gap"),
     ("zombie", "an old agent incarnation keeps sending after its re-registration"),
     ("paused-agent", "an agent SIGSTOPped past its leases' life, then SIGCONTed"),
     ("netns-partition", "a region cut off at the kernel level (network namespace)"),
 ];
+
+/// The scenarios whose database is a Patroni cluster behind HAProxy.
+pub const PATRONI_SCENARIOS: &[&str] =
+    &["postgres-failover", "postgres-failover-async", "postgres-switchover", "etcd-loss"];
 
 async fn run_one(name: &str, p: &Profile, bins: &bins::Bins) -> Result<ScenarioReport, String> {
     let b = bins.clone();
@@ -96,6 +105,8 @@ async fn run_one(name: &str, p: &Profile, bins: &bins::Bins) -> Result<ScenarioR
         "postgres-restart" => faults::postgres_restart(p, b).await,
         "postgres-failover" => postgres::failover(p, b, true).await,
         "postgres-failover-async" => postgres::failover(p, b, false).await,
+        "postgres-switchover" => postgres::switchover(p, b).await,
+        "etcd-loss" => postgres::etcd_loss(p, b).await,
         "clock-skew" => faults::clock_skew(p, b).await,
         "demand-skew" => outcomes::demand_skew(p, b).await,
         "zombie" => faults::zombie(p, b).await,
@@ -123,6 +134,9 @@ pub async fn run(args: ChaosArgs) -> Result<bool, String> {
         None => SCENARIOS.iter().map(|(n, _)| *n).collect(),
     };
     bins::check_servers()?;
+    if names.iter().any(|n| PATRONI_SCENARIOS.contains(n)) {
+        crate::install::check_ha_packages()?;
+    }
     let bins = bins::ensure()?;
     let profile = Profile::named(&args.profile);
     let mut reports = Vec::new();

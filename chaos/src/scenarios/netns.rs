@@ -109,6 +109,7 @@ pub async fn partition(p: &Profile, bins: Bins) -> Result<ScenarioReport, String
         allocators: 1,
         agent_env: Vec::new(),
         sentinel_regions: Vec::new(),
+        patroni: None,
     };
     let agent_bin = bins.agent.clone();
     let mut run = Run::start("netns-partition", p, bins, Some(spec), false).await?;

@@ -131,6 +131,7 @@ pub async fn redis_failover(p: &Profile, bins: Bins) -> Result<ScenarioReport, S
         allocators: 1,
         agent_env: Vec::new(),
         sentinel_regions: vec!["eu".into()],
+        patroni: None,
     };
     let mut run = Run::start("redis-failover", p, bins, Some(spec), true).await?;
     run.traffic(&[("eu", EU), ("us", US)]);
@@ -219,6 +220,7 @@ pub async fn redis_eviction(p: &Profile, bins: Bins) -> Result<ScenarioReport, S
         allocators: 1,
         agent_env: vec![("AGENT_REDIS_POLICY_CHECK_MS".into(), POLICY_CHECK_MS.to_string())],
         sentinel_regions: Vec::new(),
+        patroni: None,
     };
     let mut run = Run::start("redis-eviction", p, bins, Some(spec), false).await?;
     run.traffic(&[("eu", 0.4), ("us", 0.3)]);
