@@ -43,8 +43,8 @@ impl Server {
         cmd.arg("-D").arg(&data).arg("-p").arg(self.port.to_string()).arg("-k").arg(&self.dir);
         for setting in [
             "listen_addresses=127.0.0.1",
-            // PostgreSQL 15's defaults, named because a standby
-            // (`TestDb::start_standby`) streams from this server.
+            // PostgreSQL 15's defaults, named so that the server's WAL
+            // settings do not change with the packaged version.
             "wal_level=replica",
             "max_wal_senders=5",
             "fsync=off",
@@ -273,135 +273,11 @@ impl TestDb {
     }
 }
 
-/// Longest `pg_basebackup` or `pg_ctl promote` may take.
-const TOOL_TIMEOUT: Duration = Duration::from_secs(60);
-
-/// Runs a PostgreSQL tool as the server's user (as `nobody` when running as
-/// root, like the server itself), off the async runtime and bounded by
-/// [`TOOL_TIMEOUT`].
-async fn run_pg_tool(name: &str, args: Vec<std::ffi::OsString>) -> Result<String, String> {
-    let mut cmd = Command::new(pg_bin(name)?);
-    cmd.args(args).current_dir(scratch_root());
-    // Bounds every connection attempt the tool makes (libpq reads it).
-    cmd.env("PGCONNECT_TIMEOUT", "10");
-    if procs::is_root() {
-        use std::os::unix::process::CommandExt;
-        cmd.uid(NOBODY.0).gid(NOBODY.1);
-    }
-    let name = name.to_string();
-    match tokio::time::timeout(TOOL_TIMEOUT, tokio::task::spawn_blocking(move || procs::run(cmd))).await {
-        Ok(Ok(r)) => r,
-        Ok(Err(e)) => Err(format!("{name}: {e}")),
-        Err(_) => Err(format!("{name} did not finish within {TOOL_TIMEOUT:?}")),
-    }
-}
-
-/// A hot standby of a local [`TestDb`] with real streaming replication:
-/// a `pg_basebackup -R` copy started as a server of its own. Stopped and
-/// removed when dropped.
-pub struct TestStandby {
-    /// URL of the same database on the standby.
-    pub url: String,
-    /// `127.0.0.1:PORT` of the standby.
-    pub addr: String,
-    server: Server,
-}
-
 impl TestDb {
     /// `127.0.0.1:PORT` of the local server, `None` for an external one or
     /// a container.
     pub fn local_addr(&self) -> Option<String> {
         self.server.as_ref().map(|s| format!("127.0.0.1:{}", s.port))
-    }
-
-    /// Starts a standby that streams from `upstream` (`host:port`: this
-    /// server, or a proxy in front of it so the link can be cut) and waits
-    /// until it streams. With `synchronous` the primary then waits for the
-    /// standby's flush before it acknowledges a commit
-    /// (`synchronous_standby_names = '*'`); otherwise replication is
-    /// asynchronous, PostgreSQL's default, and a commit acknowledged by the
-    /// primary may never reach the standby. The server's `pg_hba.conf` (from
-    /// `initdb -A trust`) already lets loopback replication connections in.
-    pub async fn start_standby(&self, upstream: &str, synchronous: bool) -> Result<TestStandby, String> {
-        if self.server.is_none() {
-            return Err("a standby needs a local PostgreSQL (DATABASE_URL names an external one)".into());
-        }
-        let (host, port) = upstream.rsplit_once(':').ok_or_else(|| format!("not host:port: {upstream}"))?;
-        let dir = scratch_root().join(format!("pg-standby-{}", uuid::Uuid::new_v4().simple()));
-        make_dir(&dir)?;
-        let data = dir.join("data");
-        let args: Vec<std::ffi::OsString> = vec![
-            "-D".into(),
-            data.clone().into(),
-            "-h".into(),
-            host.into(),
-            "-p".into(),
-            port.into(),
-            "-U".into(),
-            "postgres".into(),
-            // WAL streamed during the copy; `-R` writes standby.signal and
-            // primary_conninfo, so the copy starts as a standby of `upstream`.
-            "-X".into(),
-            "stream".into(),
-            "-R".into(),
-            "-c".into(),
-            "fast".into(),
-            "--no-sync".into(),
-        ];
-        run_pg_tool("pg_basebackup", args).await?;
-        let mut server = Server { child: None, dir, port: crate::free_port() };
-        server.start()?;
-        let url = replace_db(
-            &format!("postgres://postgres@127.0.0.1:{}/postgres", server.port),
-            self.url.rsplit('/').next().unwrap_or("postgres"),
-        );
-        wait_ready(&url, Some(&mut server)).await?;
-        let mut conn = tokio::time::timeout(READY_TIMEOUT, PgConnection::connect(&self.url))
-            .await
-            .map_err(|_| "connecting to the primary timed out".to_string())?
-            .map_err(|e| format!("primary: {e}"))?;
-        if synchronous {
-            // ALTER SYSTEM goes to this server's postgresql.auto.conf only
-            // (files are not replicated): the standby, once promoted, does
-            // not wait for a standby of its own.
-            conn.execute("alter system set synchronous_standby_names = '*'")
-                .await
-                .map_err(|e| e.to_string())?;
-            conn.execute("select pg_reload_conf()").await.map_err(|e| e.to_string())?;
-        }
-        let want = if synchronous { "sync" } else { "async" };
-        // One connection for every poll (behind a lock: each poll's future
-        // borrows it). `Ok(Err(_))`: the query failed, which ends the wait.
-        let conn = tokio::sync::Mutex::new(conn);
-        let streaming = wait::poll(READY_TIMEOUT, Duration::from_millis(50), || {
-            let conn = &conn;
-            async move {
-                let mut conn = conn.lock().await;
-                let states: Vec<(Option<String>, Option<String>)> =
-                    match sqlx::query_as("select state, sync_state from pg_stat_replication")
-                        .fetch_all(&mut *conn)
-                        .await
-                    {
-                        Ok(s) => s,
-                        Err(e) => return Ok(Err(format!("pg_stat_replication: {e}"))),
-                    };
-                let up = states
-                    .iter()
-                    .any(|(st, sy)| st.as_deref() == Some("streaming") && sy.as_deref() == Some(want));
-                if up {
-                    Ok(Ok(()))
-                } else {
-                    Err(states)
-                }
-            }
-        })
-        .await;
-        streaming.map_err(|states| {
-            format!("the standby does not stream ({want}) after {READY_TIMEOUT:?}: {states:?}")
-        })??;
-        let _ = conn.into_inner().close().await;
-        let addr = format!("127.0.0.1:{}", server.port);
-        Ok(TestStandby { url, addr, server })
     }
 
     /// Kills the local server with SIGKILL (a crash: nothing flushed,
@@ -414,17 +290,6 @@ impl TestDb {
             c.signal_group(libc::SIGKILL);
             c.stop(libc::SIGKILL, Duration::from_secs(5));
         }
-    }
-}
-
-impl TestStandby {
-    /// Promotes the standby to a primary (`pg_ctl promote`, waiting until
-    /// it accepts writes).
-    pub async fn promote(&self) -> Result<(), String> {
-        let data = self.server.dir.join("data");
-        let args: Vec<std::ffi::OsString> =
-            vec!["promote".into(), "-D".into(), data.into(), "-w".into(), "-t".into(), "30".into()];
-        run_pg_tool("pg_ctl", args).await.map(|_| ())
     }
 }
 
