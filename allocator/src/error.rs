@@ -248,26 +248,31 @@ impl IntoResponse for Error {
     }
 }
 
+/// Database errors as PostgreSQL reports them, for the unit tests of the
+/// error mappings here and in `tx`.
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// A database error naming a constraint, as PostgreSQL reports a
-    /// unique violation.
+pub(crate) mod fake_db {
+    /// A server error: a SQLSTATE, and a constraint for a unique violation.
     #[derive(Debug)]
-    struct Violation(Option<&'static str>);
+    struct Server {
+        code: &'static str,
+        constraint: Option<&'static str>,
+    }
 
-    impl std::fmt::Display for Violation {
+    impl std::fmt::Display for Server {
         fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-            write!(f, "violates {:?}", self.0)
+            write!(f, "SQLSTATE {} (constraint {:?})", self.code, self.constraint)
         }
     }
 
-    impl std::error::Error for Violation {}
+    impl std::error::Error for Server {}
 
-    impl sqlx::error::DatabaseError for Violation {
+    impl sqlx::error::DatabaseError for Server {
         fn message(&self) -> &str {
-            "duplicate key value violates unique constraint"
+            "server error"
+        }
+        fn code(&self) -> Option<std::borrow::Cow<'_, str>> {
+            Some(self.code.into())
         }
         fn as_error(&self) -> &(dyn std::error::Error + Send + Sync + 'static) {
             self
@@ -279,15 +284,33 @@ mod tests {
             self
         }
         fn constraint(&self) -> Option<&str> {
-            self.0
+            self.constraint
         }
         fn kind(&self) -> sqlx::error::ErrorKind {
-            sqlx::error::ErrorKind::UniqueViolation
+            match self.code {
+                "23505" => sqlx::error::ErrorKind::UniqueViolation,
+                _ => sqlx::error::ErrorKind::Other,
+            }
         }
     }
 
+    /// An error with SQLSTATE `code`.
+    pub fn server(code: &'static str) -> sqlx::Error {
+        sqlx::Error::Database(Box::new(Server { code, constraint: None }))
+    }
+
+    /// A unique violation of `constraint`.
+    pub fn unique_violation(constraint: Option<&'static str>) -> sqlx::Error {
+        sqlx::Error::Database(Box::new(Server { code: "23505", constraint }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
     fn violation(constraint: Option<&'static str>) -> sqlx::Error {
-        sqlx::Error::Database(Box::new(Violation(constraint)))
+        fake_db::unique_violation(constraint)
     }
 
     #[test]

@@ -142,42 +142,7 @@ where
 mod tests {
     use super::*;
 
-    /// A server error with a SQLSTATE, as PostgreSQL reports one.
-    #[derive(Debug)]
-    struct Server(&'static str);
-
-    impl std::fmt::Display for Server {
-        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-            write!(f, "SQLSTATE {}", self.0)
-        }
-    }
-
-    impl std::error::Error for Server {}
-
-    impl sqlx::error::DatabaseError for Server {
-        fn message(&self) -> &str {
-            "server error"
-        }
-        fn code(&self) -> Option<std::borrow::Cow<'_, str>> {
-            Some(self.0.into())
-        }
-        fn as_error(&self) -> &(dyn std::error::Error + Send + Sync + 'static) {
-            self
-        }
-        fn as_error_mut(&mut self) -> &mut (dyn std::error::Error + Send + Sync + 'static) {
-            self
-        }
-        fn into_error(self: Box<Self>) -> Box<dyn std::error::Error + Send + Sync + 'static> {
-            self
-        }
-        fn kind(&self) -> sqlx::error::ErrorKind {
-            sqlx::error::ErrorKind::Other
-        }
-    }
-
-    fn server(code: &'static str) -> sqlx::Error {
-        sqlx::Error::Database(Box::new(Server(code)))
-    }
+    use crate::error::fake_db::server;
 
     #[test]
     fn failover_errors_are_read_only_shutdown_connection_and_closed_sockets() {
