@@ -399,7 +399,16 @@ async fn spend_once(
     let sent = Instant::now();
     let r = if let [i] = active {
         let q = &qs[*i];
-        batch::spend(&q.spends, app.settings.redis_timeout, common(*i), ask, spend_run::runner(app, q)).await
+        // A closure here (not a function returning one) keeps each run's
+        // future unboxed: a named return type would need `Box<dyn Future>`.
+        let run = {
+            let (app, q) = (app.clone(), q.clone());
+            move |common, asks: Vec<Ask>| {
+                let (app, q) = (app.clone(), q.clone());
+                async move { spend_run::run(&app, std::slice::from_ref(&q), &[common], &asks).await }
+            }
+        };
+        batch::spend(&q.spends, app.settings.redis_timeout, common(*i), ask, run).await
     } else {
         let quotas: Vec<Arc<Quota>> = active.iter().map(|&i| qs[i].clone()).collect();
         let commons: Vec<Common> = active.iter().map(|&i| common(i)).collect();

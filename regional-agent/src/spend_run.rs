@@ -3,7 +3,7 @@
 //! adopts the token the run saw, and a loss (a changed incarnation, an
 //! epoch fence) is handled on the quota it names. [`crate::spend`] asks
 //! for runs, directly for a decision over several quotas and through
-//! [`crate::batch`] (with `runner`) for one quota's coalesced requests,
+//! [`crate::batch`] for one quota's coalesced requests,
 //! so that a decision's path goes down spend → batch → spend_run → scripts and
 //! never back up.
 
@@ -11,23 +11,7 @@ use crate::app::Decider;
 use crate::batch;
 use crate::quotas::Quota;
 use crate::scripts::{self, Ask, Caller, Common, On, Outcome, Part};
-use std::future::Future;
 use std::sync::Arc;
-
-/// The runs of one quota's batches, as [`batch::spend`] starts them.
-pub(crate) fn runner(
-    app: &Arc<Decider>,
-    q: &Arc<Quota>,
-) -> impl Fn(Common, Vec<Ask>) -> std::pin::Pin<Box<dyn Future<Output = batch::RunAnswer> + Send>>
-       + Send
-       + Sync
-       + 'static {
-    let (app, q) = (app.clone(), q.clone());
-    move |common, asks: Vec<Ask>| {
-        let (app, q) = (app.clone(), q.clone());
-        Box::pin(async move { run(&app, std::slice::from_ref(&q), &[common], &asks).await })
-    }
-}
 
 /// One run of the spend script for `asks` on `quotas`, settled (each
 /// quota's token adopted, a loss handled) before its answers go out.
