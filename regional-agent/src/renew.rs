@@ -382,7 +382,13 @@ async fn grant(app: &Renewer, q: &Arc<Quota>, sel: WindowSel, want: i64, rate: f
             "unknown_quota"
         }
         Err(e) if e.code() == Some("stale_epoch") => {
-            app.ident.request_register();
+            // Only an answer to the current epoch's request says this
+            // epoch is stale: one sent before a registration that finished
+            // meanwhile would otherwise register again and retire the new
+            // epoch's fresh leases.
+            if req.epoch == app.ident.epoch() {
+                app.ident.request_register();
+            }
             "stale_epoch"
         }
         Err(CallError::Refused { status, code, message, .. }) => {

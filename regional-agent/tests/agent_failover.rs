@@ -115,22 +115,28 @@ async fn sentinel_failover_to_a_lagging_replica_is_followed_within_the_bound_and
     tally.merge(&during);
 
     // Spend the rest of the pool from 8 clients until each sees the pool
-    // exhausted (429) five times in a row.
+    // exhausted (429) five times in a row. A 503 (a renewal late or the
+    // allocator slow on a loaded machine, which opens the agent's breaker
+    // for a moment) is counted but neither ends nor restarts the run:
+    // it admits nothing, and stopping on it left the pool unspent (CI, stop
+    // 38: 5 × 503 allocator_unreachable per client, no 429 seen).
     let mut tasks = Vec::new();
     for _ in 0..8 {
         let http = a.http.clone();
         tasks.push(tokio::spawn(async move {
             let mut t = Tally::default();
-            let mut refused = 0;
+            let mut exhausted = 0;
             let deadline = Instant::now() + Duration::from_secs(30);
-            while refused < 5 && Instant::now() < deadline {
+            while exhausted < 5 && Instant::now() < deadline {
                 let r = acquire(&http, "atlas", "write").await;
                 t.add(&r);
-                if r.status == 200 {
-                    refused = 0;
-                } else {
-                    refused += 1;
-                    tokio::time::sleep(Duration::from_millis(20)).await;
+                match r.status {
+                    200 => exhausted = 0,
+                    429 => {
+                        exhausted += 1;
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
+                    _ => tokio::time::sleep(Duration::from_millis(50)).await,
                 }
             }
             t
@@ -169,7 +175,11 @@ async fn sentinel_failover_to_a_lagging_replica_is_followed_within_the_bound_and
         granted_while_cut, 0,
         "a lease was granted while the replica was cut off: no rollback to test"
     );
-    assert!(tally.count(429, "quota_exhausted") > 0, "the pool was spent: {tally:?}");
+    assert!(
+        tally.count(429, "quota_exhausted") > 0,
+        "the pool was spent: {tally:?}\nagent warnings:\n{}",
+        a.log().lines().filter(|l| l.contains("WARN") && !l.contains("spend failed")).collect::<Vec<_>>().join("\n")
+    );
     for (window, (lease, fallback)) in &tally.by_window {
         assert_eq!(*fallback, 0, "strict: no fallback admits");
         assert!(
