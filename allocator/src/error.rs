@@ -96,6 +96,19 @@ impl Error {
         }
     }
 
+    /// This error as the answer to item `i` of a batch (grants, releases):
+    /// a field it names becomes `items[i].<field>`, and it is attributed
+    /// to the item.
+    pub fn of_batch_item(self, i: usize) -> Self {
+        match self {
+            Error::InvalidField { field, message } => {
+                Error::InvalidField { field: format!("items[{i}].{field}"), message }
+            }
+            e => e,
+        }
+        .in_item(i)
+    }
+
     /// Shorthand for [`Error::InvalidField`].
     pub fn invalid(field: impl Into<String>, message: impl Into<String>) -> Self {
         Error::InvalidField { field: field.into(), message: message.into() }

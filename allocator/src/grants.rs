@@ -149,13 +149,7 @@ async fn grant_batch(
                     error: None,
                 },
                 Err(e) => {
-                    let e = match e {
-                        Error::InvalidField { field, message } => {
-                            Error::InvalidField { field: format!("items[{i}].{field}"), message }
-                        }
-                        e => e,
-                    }
-                    .in_item(i);
+                    let e = e.of_batch_item(i);
                     GrantItemAnswer {
                         status: e.status_code().as_u16(),
                         replayed: false,

@@ -1,19 +1,24 @@
 //! Leases: the row type, `POST /v1/leases/{id}/release` (unspent tokens go
 //! back to the pool only while the window is open; idempotent; epoch-fenced,
-//! I4) and `GET /v1/leases/{id}` with the lease's ledger events.
+//! I4), its batch form `POST /v1/leases/release` (each item decided as the
+//! single form would, answered item by item) and `GET /v1/leases/{id}` with
+//! the lease's ledger events.
 
 use crate::agents;
 use crate::error::{Error, Result};
 use crate::http::auth::AgentScope;
-use crate::http::extract::{check_count, ApiJson, ApiPath};
+use crate::http::extract::{check_count, parse_json, ApiJson, ApiPath};
 use crate::ledger::{self, Kind, NewEvent};
 use crate::state::AppState;
 use axum::extract::State;
+use axum::http::StatusCode;
 use axum::Json;
 use chrono::{DateTime, Utc};
+use futures::StreamExt;
 use quota_shared::window::Window;
 use quota_shared::wire::{
-    ErrorBody, FailMode, GrantResponse, LeaseView, PerKey, PoolSnapshot, ReleaseRequest,
+    ErrorBody, FailMode, GrantResponse, LeaseView, PerKey, PoolSnapshot, ReleaseBatchRequest,
+    ReleaseBatchResponse, ReleaseItemAnswer, ReleaseRequest, MAX_RELEASE_BATCH,
 };
 use serde::Serialize;
 use utoipa::ToSchema;
@@ -146,10 +151,77 @@ pub(crate) async fn release(
     ApiJson(req): ApiJson<ReleaseRequest>,
 ) -> Result<Json<LeaseView>> {
     let lease_id = parse_lease_id(&lease_id)?;
+    Ok(Json(release_one(&state, &scope, lease_id, &req).await?))
+}
+
+/// Releases decided at once in one batch: like a grant batch, a quarter of
+/// the default pool, so single calls arriving meanwhile still find
+/// connections.
+const BATCH_PARALLEL: usize = 4;
+
+/// `POST /v1/leases/release`: several releases in one request.
+#[utoipa::path(
+    post,
+    path = "/v1/leases/release",
+    request_body = ReleaseBatchRequest,
+    responses(
+        (status = 200, description = "One answer per item, in the items' order, each with the status and body `POST /v1/leases/{lease_id}/release` would have answered (an item's 422 names `items[i].<field>`)", body = ReleaseBatchResponse),
+        (status = 401, description = "Missing or wrong agent token", body = ErrorBody),
+        (status = 422, description = "Invalid body: no items, more than 64 (names `items`), or a malformed item", body = ErrorBody),
+    ),
+    security(("agent_token" = [])),
+    tag = "agents"
+)]
+pub(crate) async fn release_batch(
+    State(state): State<AppState>,
+    scope: AgentScope,
+    ApiJson(body): ApiJson<serde_json::Value>,
+) -> Result<Json<ReleaseBatchResponse>> {
+    let batch: ReleaseBatchRequest = parse_json(&body)?;
+    if batch.items.is_empty() || batch.items.len() > MAX_RELEASE_BATCH {
+        return Err(Error::invalid(
+            "items",
+            format!("a batch carries 1 to {MAX_RELEASE_BATCH} items, got {}", batch.items.len()),
+        ));
+    }
+    state.metrics.inc("allocator_release_batches_total", &[]);
+    state.metrics.inc_by("allocator_release_batch_items_total", &[], batch.items.len() as f64);
+    let (state, scope) = (&state, &scope);
+    let items = futures::stream::iter(batch.items.into_iter().enumerate())
+        .map(|(i, item)| async move {
+            let req = ReleaseRequest { epoch: item.epoch, unspent: item.unspent };
+            match release_one(state, scope, item.lease_id, &req).await {
+                Ok(view) => {
+                    ReleaseItemAnswer { status: StatusCode::OK.as_u16(), lease: Some(view), error: None }
+                }
+                Err(e) => {
+                    let e = e.of_batch_item(i);
+                    ReleaseItemAnswer {
+                        status: e.status_code().as_u16(),
+                        lease: None,
+                        error: Some(e.to_body()),
+                    }
+                }
+            }
+        })
+        .buffered(BATCH_PARALLEL)
+        .collect()
+        .await;
+    Ok(Json(ReleaseBatchResponse { items }))
+}
+
+/// One release, validated, decided and (when refused) recorded in the
+/// ledger: the single form's whole work, shared by the batch.
+async fn release_one(
+    state: &AppState,
+    scope: &AgentScope,
+    lease_id: Uuid,
+    req: &ReleaseRequest,
+) -> Result<LeaseView> {
     check_count("epoch", req.epoch, 1)?;
     check_count("unspent", req.unspent, 0)?;
-    match try_release(&state, &scope, lease_id, &req).await {
-        Ok(view) => Ok(Json(view)),
+    match try_release(state, scope, lease_id, req).await {
+        Ok(view) => Ok(view),
         Err((e, Some(row))) => {
             let event = NewEvent {
                 tenant: Some(row.tenant),
@@ -161,7 +233,7 @@ pub(crate) async fn release(
                 tokens: Some(req.unspent),
                 ..Default::default()
             };
-            agents::record_refusal(&state, &e, event).await?;
+            agents::record_refusal(state, &e, event).await?;
             Err(e)
         }
         Err((e, None)) => Err(e),

@@ -130,6 +130,12 @@ pub fn registry() -> Registry {
     );
     r.describe("allocator_grant_batches_total", "counter", "Grant requests in the batch form (items)");
     r.describe("allocator_grant_batch_items_total", "counter", "Items of grant requests in the batch form");
+    r.describe("allocator_release_batches_total", "counter", "Release requests in the batch form (items)");
+    r.describe(
+        "allocator_release_batch_items_total",
+        "counter",
+        "Items of release requests in the batch form",
+    );
     r.describe("allocator_db_connections", "gauge", "PostgreSQL pool connections by state (open, idle)");
     window_metrics::describe(&r);
     r

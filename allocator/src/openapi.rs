@@ -21,6 +21,7 @@ use utoipa::{Modify, OpenApi};
         fleet::put_status,
         grants::grant,
         leases::release,
+        leases::release_batch,
         leases::get_lease,
         reports::report,
         windows::list,
@@ -122,7 +123,7 @@ impl Modify for RequestBounds {
         use utoipa::Number;
         let max = Number::Float(MAX_COUNT as f64);
         let day = Number::Float(86_400.0);
-        let bounds: [(&str, &str, f64, &Number); 22] = [
+        let bounds: [(&str, &str, f64, &Number); 24] = [
             ("PolicySpec", "limit", 1.0, &max),
             ("PolicySpec", "window_secs", 1.0, &day),
             ("PolicySpec", "chunk_min", 1.0, &max),
@@ -135,6 +136,8 @@ impl Modify for RequestBounds {
             ("GrantRequest", "demand_per_sec", 0.0, &Number::Float(crate::grants::MAX_DEMAND_PER_SEC)),
             ("ReleaseRequest", "epoch", 1.0, &max),
             ("ReleaseRequest", "unspent", 0.0, &max),
+            ("ReleaseItem", "epoch", 1.0, &max),
+            ("ReleaseItem", "unspent", 0.0, &max),
             ("ReportRequest", "epoch", 1.0, &max),
             ("ReportItem", "consumed", 0.0, &max),
             ("ReportItem", "fallback_admitted", 0.0, &max),
@@ -158,6 +161,12 @@ impl Modify for RequestBounds {
             if let Some(RefOr::T(Schema::Array(a))) = o.properties.get_mut("items") {
                 a.min_items = Some(1);
                 a.max_items = Some(quota_shared::wire::MAX_GRANT_BATCH);
+            }
+        }
+        if let Some(RefOr::T(Schema::Object(o))) = components.schemas.get_mut("ReleaseBatchRequest") {
+            if let Some(RefOr::T(Schema::Array(a))) = o.properties.get_mut("items") {
+                a.min_items = Some(1);
+                a.max_items = Some(quota_shared::wire::MAX_RELEASE_BATCH);
             }
         }
         if let Some(RefOr::T(Schema::Object(o))) = components.schemas.get_mut("AgentStatusReport") {
@@ -222,6 +231,25 @@ mod tests {
         let item = &doc["components"]["schemas"]["GrantItemAnswer"]["properties"];
         for name in ["status", "replayed", "grant", "error"] {
             assert!(item[name].is_object(), "{name}: {item}");
+        }
+    }
+
+    #[test]
+    fn the_release_batch_route_documents_its_bound_and_item_answers() {
+        let doc = serde_json::to_value(ApiDoc::openapi()).expect("json");
+        let op = &doc["paths"]["/v1/leases/release"]["post"];
+        for code in ["200", "400", "401", "413", "415", "422", "503"] {
+            assert!(op["responses"][code].is_object(), "{code}: {op}");
+        }
+        let batch = &doc["components"]["schemas"]["ReleaseBatchRequest"]["properties"]["items"];
+        assert_eq!(batch["maxItems"], quota_shared::wire::MAX_RELEASE_BATCH, "{batch}");
+        assert_eq!(batch["minItems"], 1, "{batch}");
+        let item = &doc["components"]["schemas"]["ReleaseItem"]["properties"];
+        assert_eq!(item["epoch"]["minimum"], 1.0, "{item}");
+        assert_eq!(item["unspent"]["minimum"], 0.0, "{item}");
+        let answer = &doc["components"]["schemas"]["ReleaseItemAnswer"]["properties"];
+        for name in ["status", "lease", "error"] {
+            assert!(answer[name].is_object(), "{name}: {answer}");
         }
     }
 

@@ -38,6 +38,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/agents/{region}/{agent}/status", put(fleet::put_status))
         .route("/v1/grants", post(grants::grant))
         .route("/v1/leases/{lease_id}/release", post(leases::release))
+        .route("/v1/leases/release", post(leases::release_batch))
         .route("/v1/reports", post(reports::report))
         .route_layer(from_fn_with_state(state.auth.clone(), auth::require_agent));
     let admin_routes = Router::new()

@@ -14,7 +14,8 @@ use crate::breaker::Breaker;
 use quota_shared::pem;
 use quota_shared::wire::{
     AgentStatusReport, ErrorBody, GrantBatchRequest, GrantBatchResponse, GrantRequest, GrantResponse,
-    LeaseView, RegisterRequest, RegisterResponse, ReleaseRequest, ReportRequest, ReportResponse,
+    LeaseView, RegisterRequest, RegisterResponse, ReleaseBatchRequest, ReleaseBatchResponse, ReleaseRequest,
+    ReportRequest, ReportResponse,
 };
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -211,6 +212,20 @@ impl AllocatorClient {
         })
     }
 
+    /// The error of a batch item answered `status` (not 200) with `error`,
+    /// as the single form's call would have returned it: a 5xx or 408 is
+    /// the allocator failing (counted by the breaker), anything else a
+    /// refusal.
+    pub(crate) fn item_error(&self, status: u16, error: Option<ErrorBody>) -> CallError {
+        if status >= 500 || status == 408 {
+            let why = error.map(|e| e.error).unwrap_or_default();
+            return self.unreachable(format!("status {status} {why}"));
+        }
+        let (code, message) =
+            error.map(|e| (e.error, e.message)).unwrap_or_else(|| ("unknown".into(), String::new()));
+        CallError::Refused { status, code, message, item: None }
+    }
+
     /// `POST /v1/agents/register`.
     pub async fn register(&self, region: &str, agent: &str) -> Result<RegisterResponse, CallError> {
         self.post("/v1/agents/register", &RegisterRequest { region: region.into(), agent: agent.into() })
@@ -231,6 +246,14 @@ impl AllocatorClient {
     /// `POST /v1/leases/{id}/release`.
     pub async fn release(&self, lease_id: &str, req: &ReleaseRequest) -> Result<LeaseView, CallError> {
         self.post(&format!("/v1/leases/{lease_id}/release"), req).await
+    }
+
+    /// `POST /v1/leases/release` with `items` (see [`crate::release_batch`]).
+    pub(crate) async fn post_releases(
+        &self,
+        req: &ReleaseBatchRequest,
+    ) -> Result<ReleaseBatchResponse, CallError> {
+        self.post("/v1/leases/release", req).await
     }
 
     /// `POST /v1/reports`.

@@ -129,17 +129,9 @@ impl Grants {
 
     /// One item's answer as the single form's call would have returned it.
     fn item_answer(&self, item: GrantItemAnswer) -> Answer {
-        match (item.status, item.grant, item.error) {
-            (200, Some(g), _) => Ok(g),
-            (status, _, error) if status >= 500 || status == 408 => {
-                let why = error.map(|e| e.error).unwrap_or_default();
-                Err(self.client.unreachable(format!("status {status} {why}")))
-            }
-            (status, _, error) => {
-                let (code, message) =
-                    error.map(|e| (e.error, e.message)).unwrap_or_else(|| ("unknown".into(), String::new()));
-                Err(CallError::Refused { status, code, message, item: None })
-            }
+        match (item.status, item.grant) {
+            (200, Some(g)) => Ok(g),
+            (status, _) => Err(self.client.item_error(status, item.error)),
         }
     }
 }

@@ -46,6 +46,8 @@
 //!   exponential backoff with jitter and a circuit breaker.
 //! * [`grant_batch`]: the renewers' grants, sent through the client and
 //!   batched into one `POST /v1/grants` while another is on its way.
+//! * [`release_batch`]: the outbox's lease releases of one round, sent in
+//!   one `POST /v1/leases/release`.
 //! * [`identity`]: the agent's epoch and grant sequence (I4, I3).
 //! * [`epoch`]: registration and fences (I4).
 //! * [`registry`]: the one place a quota is created and its renewer
@@ -263,6 +265,7 @@ pub mod plan;
 pub mod quotas;
 pub mod redis_tls;
 pub mod registry;
+pub mod release_batch;
 pub mod renew;
 pub mod request;
 pub mod request_id;

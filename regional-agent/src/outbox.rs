@@ -6,7 +6,9 @@
 //! leases. This task sends each entry to the allocator and removes it only
 //! once the allocator accepted it or refused it for a reason that can never
 //! change, so a crash at any point resends the same report id or lease
-//! release, both idempotent at the allocator. The outbox is bounded: no new
+//! release, both idempotent at the allocator. The releases one round meets
+//! in all the quotas' lists leave together ([`crate::release_batch`]), each
+//! still leaving its list only on its own answer. The outbox is bounded: no new
 //! report is cut while an agent's outbox holds [`MAX_OUTBOX`] entries; the
 //! counts wait in their counters.
 //!
@@ -41,11 +43,12 @@ use crate::fleet_counts::FleetStatus;
 use crate::identity::Identity;
 use crate::keys::{Keys, Layout};
 use crate::quotas::{Quota, Quotas};
+use crate::release_batch::{Releases, MAX_RELEASE_BATCH};
 use crate::scripts;
 use crate::store::{Store, StoreError};
 use chrono::{TimeZone, Utc};
 use quota_shared::prom::Registry;
-use quota_shared::wire::{ReleaseRequest, ReportItem, ReportRequest};
+use quota_shared::wire::{ReleaseItem, ReleaseRequest, ReportItem, ReportRequest};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
@@ -215,6 +218,22 @@ pub struct Outboxes {
     adopted: Mutex<HashMap<String, (i64, Option<Instant>)>>,
     /// Consecutive rounds that ended in a retryable refusal.
     retries: Mutex<u32>,
+    /// Whether releases go in batches.
+    releases: Releases,
+}
+
+/// A release entry met in a quota's list, sent later with the round's
+/// other releases (see [`crate::release_batch`]); it stays in its list
+/// until its answer says it may leave.
+struct Deferred {
+    /// The list it is in, and its raw value there.
+    list: String,
+    raw: String,
+    /// The agent whose list it is (a stale epoch is that agent's).
+    owner: String,
+    tenant: String,
+    resource: String,
+    item: ReleaseItem,
 }
 
 /// Whose outbox is being sent, and as whom.
@@ -301,12 +320,20 @@ pub async fn drain_all(app: &OutboxParts, ob: &Outboxes, until: Option<Instant>)
     // shutdown) mean it is gone for this round.
     let give_up = if until.is_some() { 1 } else { 3 };
     let mut failed_in_row = 0;
+    let mut releases = Vec::new();
     for q in &quotas {
         if until.is_some_and(|t| Instant::now() >= t) {
             stopped = true;
             break;
         }
-        let mut drained = drain_list(app, ob, &q.prefix, &q.tenant, &q.resource, &me, true).await;
+        let mut drained =
+            drain_list(app, ob, &q.prefix, &q.tenant, &q.resource, &me, true, Some(&mut releases)).await;
+        if releases.len() >= MAX_RELEASE_BATCH {
+            drained = match (drained, send_releases(app, ob, &mut releases).await) {
+                (Ok(n), Ok(sent)) => Ok(n - sent),
+                (Ok(_), Err(e)) | (Err(e), _) => Err(e),
+            };
+        }
         let done = q.legacy_done.load(Ordering::Relaxed) && legacy_passed(app, q);
         if app.keys.layout() == Layout::Tenant && !done {
             drained = match drained {
@@ -327,6 +354,10 @@ pub async fn drain_all(app: &OutboxParts, ob: &Outboxes, until: Option<Instant>)
                 }
             }
         }
+    }
+    match send_releases(app, ob, &mut releases).await {
+        Ok(sent) => left -= sent,
+        Err(_) => stopped = true,
     }
     if stopped {
         left = left.max(1);
@@ -359,7 +390,7 @@ async fn sweep_legacy(app: &OutboxParts, ob: &Outboxes, q: &Quota, me: &Sender) 
             scripts::ViewArgs { window_secs: p.window_secs, allowance: p.fallback_allowance, lasting_ms: 0 };
         scripts::view(&app.store, on, by, args).await?;
     }
-    let left = drain_list(app, ob, &prefix, &q.tenant, &q.resource, me, true).await?;
+    let left = drain_list(app, ob, &prefix, &q.tenant, &q.resource, me, true, None).await?;
     let done = live == 0 && left == 0 && legacy_passed(app, q);
     if !done {
         q.legacy_done.store(false, Ordering::Relaxed);
@@ -377,8 +408,10 @@ fn legacy_passed(app: &OutboxParts, q: &Quota) -> bool {
 }
 
 /// Cuts (when `cut`) and sends one quota's list of `s.owner`; returns the
-/// entries left in it.
+/// entries left in it. With `releases`, its release entries are not sent
+/// here but collected there (still in the list) for the round's batch.
 #[tracing::instrument(skip_all, fields(tenant = tenant, resource = resource, agent = %s.owner))]
+#[allow(clippy::too_many_arguments)]
 async fn drain_list(
     app: &OutboxParts,
     state: &Outboxes,
@@ -387,6 +420,7 @@ async fn drain_list(
     resource: &str,
     s: &Sender,
     cut: bool,
+    mut releases: Option<&mut Vec<Deferred>>,
 ) -> Result<i64, StoreError> {
     if cut {
         scripts::cut(&app.store, prefix, &s.owner, &uuid::Uuid::new_v4().to_string(), MAX_OUTBOX).await?;
@@ -402,6 +436,21 @@ async fn drain_list(
                 continue;
             }
         };
+        if let (Entry::Release { id, u }, Some(batch)) = (&entry, releases.as_deref_mut()) {
+            if let Ok(lease_id) = uuid::Uuid::parse_str(id) {
+                let item = ReleaseItem { lease_id, epoch: s.release_epoch, unspent: *u };
+                let (tenant, resource) = (tenant.to_string(), resource.to_string());
+                batch.push(Deferred {
+                    list: ob.clone(),
+                    raw,
+                    owner: s.owner.clone(),
+                    tenant,
+                    resource,
+                    item,
+                });
+                continue;
+            }
+        }
         let result = send(app, tenant, resource, s, &entry).await;
         let verdict = match &result {
             Ok(()) => Verdict::Done,
@@ -421,7 +470,7 @@ async fn drain_list(
             }
             Verdict::Retry | Verdict::Reregister => {
                 if verdict == Verdict::Reregister {
-                    stale(app, state, s);
+                    stale(app, state, &s.owner);
                 } else if let Err(CallError::Refused { status, code, message, .. }) = &result {
                     let mut r = state.retries.lock().unwrap();
                     *r = r.saturating_add(1);
@@ -467,12 +516,70 @@ fn refusal(result: &Result<(), CallError>) -> (u16, String, String) {
 
 /// A stale epoch: this agent registers again; an adopted identity is
 /// dropped (the dead agent came back, or another adopter took over).
-fn stale(app: &OutboxParts, state: &Outboxes, s: &Sender) {
-    if s.owner == app.settings.agent {
+fn stale(app: &OutboxParts, state: &Outboxes, owner: &str) {
+    if owner == app.settings.agent {
         app.ident.request_register();
     } else {
-        state.adopted.lock().unwrap().remove(&s.owner);
+        state.adopted.lock().unwrap().remove(owner);
     }
+}
+
+/// Sends the collected releases (in one request when there are several)
+/// and applies each answer as [`drain_list`] applies a single one: the
+/// entries that may leave their lists leave; the rest stay for the next
+/// round. Returns how many left.
+async fn send_releases(
+    app: &OutboxParts,
+    state: &Outboxes,
+    pending: &mut Vec<Deferred>,
+) -> Result<i64, StoreError> {
+    if pending.is_empty() {
+        return Ok(0);
+    }
+    let items: Vec<ReleaseItem> = pending.iter().map(|d| d.item.clone()).collect();
+    let answers = state.releases.send(&app.alloc, &items).await;
+    let mut left_lists = 0;
+    let mut warned = false;
+    for (d, result) in pending.drain(..).zip(answers) {
+        let verdict = match &result {
+            Ok(()) => Verdict::Done,
+            Err(CallError::Unreachable(_)) => Verdict::Retry,
+            Err(CallError::Refused { status, code, item, .. }) => classify(*status, code, *item, 1),
+        };
+        match verdict {
+            Verdict::Done => {
+                app.metrics.inc("agent_outbox_sent_total", &[]);
+                *state.retries.lock().unwrap() = 0;
+            }
+            Verdict::Reregister => {
+                stale(app, state, &d.owner);
+                continue;
+            }
+            Verdict::Retry => {
+                if let (Err(CallError::Refused { status, code, message, .. }), false) = (&result, warned) {
+                    warned = true;
+                    let mut r = state.retries.lock().unwrap();
+                    *r = r.saturating_add(1);
+                    tracing::warn!(
+                        tenant = %d.tenant,
+                        resource = %d.resource,
+                        status,
+                        code,
+                        message,
+                        "allocator refused a lease release for now; retrying with backoff"
+                    );
+                }
+                continue;
+            }
+            Verdict::Dead | Verdict::DeadItem(_) => {
+                let (status, code, message) = refusal(&result);
+                dead_letter(app, &d.tenant, &d.resource, &d.owner, &d.raw, status, &code, &message).await;
+            }
+        }
+        commands::outbox_remove(&app.store, &d.list, &d.raw).await?;
+        left_lists += 1;
+    }
+    Ok(left_lists)
 }
 
 /// Sends one entry.
@@ -642,9 +749,17 @@ async fn adopt_one(app: &OutboxParts, ob: &Outboxes, dead: &str, set: &str) -> R
         report_agent: app.settings.agent.clone(),
         report_epoch: me,
     };
+    let mut releases = Vec::new();
     for (prefix, t, r) in lists {
-        let left = drain_list(app, ob, &prefix, &t, &r, &s, false).await?;
+        let left = drain_list(app, ob, &prefix, &t, &r, &s, false, Some(&mut releases)).await?;
         tracing::info!(agent = %dead, tenant = %t, resource = %r, left, "sent a gone agent's outbox entries");
+        if releases.len() >= MAX_RELEASE_BATCH {
+            send_releases(app, ob, &mut releases).await?;
+        }
+    }
+    let sent = send_releases(app, ob, &mut releases).await?;
+    if sent > 0 {
+        tracing::info!(agent = %dead, sent, "sent a gone agent's lease releases");
     }
     Ok(())
 }

@@ -178,7 +178,11 @@ async fn sentinel_failover_to_a_lagging_replica_is_followed_within_the_bound_and
     assert!(
         tally.count(429, "quota_exhausted") > 0,
         "the pool was spent: {tally:?}\nagent warnings:\n{}",
-        a.log().lines().filter(|l| l.contains("WARN") && !l.contains("spend failed")).collect::<Vec<_>>().join("\n")
+        a.log()
+            .lines()
+            .filter(|l| l.contains("WARN") && !l.contains("spend failed"))
+            .collect::<Vec<_>>()
+            .join("\n")
     );
     for (window, (lease, fallback)) in &tally.by_window {
         assert_eq!(*fallback, 0, "strict: no fallback admits");

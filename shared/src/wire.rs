@@ -295,6 +295,56 @@ pub struct ReleaseRequest {
     pub unspent: i64,
 }
 
+/// Most items one `POST /v1/leases/release` batch may carry (422 `items`
+/// above it), for the reasons [`MAX_GRANT_BATCH`] gives.
+pub const MAX_RELEASE_BATCH: usize = 64;
+
+/// One item of a `POST /v1/leases/release` batch: the single form's path
+/// lease id beside its body.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[cfg_attr(feature = "service", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct ReleaseItem {
+    pub lease_id: Uuid,
+    /// The sender's current epoch for the lease's `(region, agent)`.
+    pub epoch: i64,
+    /// Tokens of the lease that were never spent.
+    pub unspent: i64,
+}
+
+/// `POST /v1/leases/release` body: several releases in one request, each
+/// decided on its own exactly as `POST /v1/leases/{lease_id}/release` is
+/// (idempotent per lease, epoch-fenced).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[cfg_attr(feature = "service", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct ReleaseBatchRequest {
+    /// 1 to [`MAX_RELEASE_BATCH`] releases.
+    pub items: Vec<ReleaseItem>,
+}
+
+/// The answer to one release of a batch: the status the single form would
+/// have answered, with its lease or its error body.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[cfg_attr(feature = "service", derive(utoipa::ToSchema))]
+pub struct ReleaseItemAnswer {
+    /// 200, or the single form's error status (403, 404, 409, 422, 500, 503).
+    pub status: u16,
+    /// The lease with `returned`, when `status` is 200.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lease: Option<LeaseView>,
+    /// The error, when `status` is not 200.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<ErrorBody>,
+}
+
+/// `POST /v1/leases/release` answer: one answer per item, in the items' order.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[cfg_attr(feature = "service", derive(utoipa::ToSchema))]
+pub struct ReleaseBatchResponse {
+    pub items: Vec<ReleaseItemAnswer>,
+}
+
 /// One lease as the ledger knows it.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[cfg_attr(feature = "service", derive(utoipa::ToSchema))]
