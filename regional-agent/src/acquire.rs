@@ -256,7 +256,7 @@ pub(crate) async fn acquire(
 
 /// One quota's counts of an answer (refusal gauges, fleet status).
 fn count(app: &AppState, name: &str, policy: Option<PolicyInfo>, outcome: &str) {
-    crate::gauges::count_refusal(&app.metrics, name, policy.is_some(), outcome);
+    crate::gauges::count_decision(&app.metrics, name, policy, outcome);
     app.fleet_status.count(name, policy, outcome, app.allocator_now());
 }
 
@@ -281,6 +281,9 @@ pub struct AdmittedPart {
     /// `per_key`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub limit: Option<String>,
+    /// The version of the quota's policy that decided.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub policy_version: Option<i64>,
 }
 
 impl AdmittedPart {
@@ -294,6 +297,7 @@ impl AdmittedPart {
             key_remaining: a.key_remaining,
             shadow_refused: policy.is_some_and(|p| !p.enforce).then_some(p.shadow.is_some()),
             limit: p.shadow.map(|s| s.limit(resource).to_string()),
+            policy_version: policy.map(|p| p.version),
         }
     }
 }
@@ -314,6 +318,11 @@ pub struct Admitted {
     pub shadow_refused: Option<bool>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub limit: Option<String>,
+    /// The version of the top-level quota's policy that decided (also in
+    /// the `Quota-Policy-Version` header, of the quota the `RateLimit`
+    /// headers describe).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub policy_version: Option<i64>,
     /// With `resources`: one part per quota, in the request's order.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub results: Option<Vec<AdmittedPart>>,
@@ -330,6 +339,7 @@ impl Admitted {
             key_remaining: None,
             shadow_refused: None,
             limit: None,
+            policy_version: None,
         });
         Admitted {
             allowed: true,
@@ -339,6 +349,7 @@ impl Admitted {
             key_remaining: t.key_remaining,
             shadow_refused: t.shadow_refused,
             limit: t.limit,
+            policy_version: t.policy_version,
             results: multi.then(|| parts.to_vec()),
         }
     }
@@ -394,6 +405,7 @@ mod parse_tests {
             key_remaining: None,
             shadow_refused: None,
             limit: None,
+            policy_version: Some(remaining + 10),
         }
     }
 
@@ -403,10 +415,13 @@ mod parse_tests {
         let single = serde_json::to_value(Admitted::new(&parts[..1], 0, false)).unwrap();
         assert_eq!(
             single,
-            serde_json::json!({"allowed": true, "source": "lease", "window_start": "1970-01-01T01:00:00Z", "remaining": 5})
+            serde_json::json!({"allowed": true, "source": "lease", "window_start": "1970-01-01T01:00:00Z", "remaining": 5, "policy_version": 15})
         );
         let multi = serde_json::to_value(Admitted::new(&parts, 1, true)).unwrap();
         assert_eq!(multi["remaining"], 2);
+        // The top level's version is the top part's; each part keeps its own.
+        assert_eq!(multi["policy_version"], 12);
+        assert_eq!(multi["results"][0]["policy_version"], 15);
         assert!(multi.get("resource").is_none(), "{multi}");
         assert_eq!(multi["results"][0]["resource"], "a");
         assert_eq!(multi["results"][1]["resource"], "b");

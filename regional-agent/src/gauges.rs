@@ -29,7 +29,7 @@ pub fn mode(reachable: bool, policy: Option<PolicyInfo>, view: &View) -> &'stati
 }
 
 /// Answers of `POST /v1/acquire` counted per quota by
-/// [`count_refusal`]: the 429 and the 503s.
+/// [`count_decision`]: the 429 and the 503s.
 pub const REFUSALS: [&str; 3] = ["quota_exhausted", "allocator_unreachable", "store_unavailable"];
 
 /// Counters without labels that start at 0, so that `increase()` sees their
@@ -42,12 +42,18 @@ const ZERO_AT_START: [&str; 5] = [
     "agent_spend_runs_total",
 ];
 
-/// Counts a refusal of a quota whose policy the agent knows (so a stream
-/// of unknown names never makes a series: the family follows the quota
-/// registry).
-pub fn count_refusal(m: &Registry, quota: &str, policy_known: bool, outcome: &str) {
-    if let Some(code) = REFUSALS.iter().find(|c| **c == outcome).filter(|_| policy_known) {
-        m.inc("agent_quota_refusals_total", &[("quota", quota), ("code", code)]);
+/// Counts an answer for a quota whose policy the agent knows, by the
+/// policy's version (so a stream of unknown names never makes a series:
+/// the families follow the quota registry): every decision in
+/// `agent_quota_decisions_total`, the 429 and 503s also in
+/// `agent_quota_refusals_total`. Their ratio per version is what a bad
+/// policy change shows as (alert `QuotaPolicyVersionRefusalStep`).
+pub fn count_decision(m: &Registry, quota: &str, policy: Option<PolicyInfo>, outcome: &str) {
+    let Some(p) = policy else { return };
+    let version = p.version.to_string();
+    m.inc("agent_quota_decisions_total", &[("quota", quota), ("version", &version)]);
+    if let Some(code) = REFUSALS.iter().find(|c| **c == outcome) {
+        m.inc("agent_quota_refusals_total", &[("quota", quota), ("code", code), ("version", &version)]);
     }
 }
 
@@ -60,7 +66,12 @@ pub fn describe(m: &Registry) {
     m.describe(
         "agent_quota_refusals_total",
         "counter",
-        "Acquires answered 429 quota_exhausted or 503 (allocator_unreachable, store_unavailable), per quota with a known policy",
+        "Acquires answered 429 quota_exhausted or 503 (allocator_unreachable, store_unavailable), per quota with a known policy and its version",
+    );
+    m.describe(
+        "agent_quota_decisions_total",
+        "counter",
+        "Acquires answered, per quota with a known policy and the policy version that decided",
     );
     m.describe(
         "agent_info",
@@ -129,16 +140,29 @@ mod tests {
     use super::*;
 
     #[test]
-    fn refusals_are_counted_per_known_quota_only() {
+    fn decisions_and_refusals_are_counted_per_known_quota_and_version() {
         let m = Registry::default();
-        count_refusal(&m, "atlas/read", true, "quota_exhausted");
-        count_refusal(&m, "atlas/read", true, "lease");
-        count_refusal(&m, "nosuch/quota", false, "store_unavailable");
+        let v = |version| PolicyInfo {
+            limit: 1,
+            window_secs: 60,
+            fail_mode: FailMode::Strict,
+            fallback_allowance: 0,
+            version,
+            per_key: None,
+            enforce: true,
+        };
+        count_decision(&m, "atlas/read", Some(v(3)), "quota_exhausted");
+        count_decision(&m, "atlas/read", Some(v(3)), "lease");
+        count_decision(&m, "atlas/read", Some(v(4)), "lease");
+        count_decision(&m, "nosuch/quota", None, "store_unavailable");
         let text = m.render();
-        assert!(
-            text.contains("agent_quota_refusals_total{quota=\"atlas/read\",code=\"quota_exhausted\"} 1"),
-            "{text}"
-        );
+        for line in [
+            "agent_quota_refusals_total{quota=\"atlas/read\",code=\"quota_exhausted\",version=\"3\"} 1",
+            "agent_quota_decisions_total{quota=\"atlas/read\",version=\"3\"} 2",
+            "agent_quota_decisions_total{quota=\"atlas/read\",version=\"4\"} 1",
+        ] {
+            assert!(text.contains(line), "{line}: {text}");
+        }
         assert!(!text.contains("nosuch"), "{text}");
         assert!(!text.contains("code=\"lease\""), "{text}");
     }

@@ -2,7 +2,8 @@
 //! (IETF httpapi ratelimit-headers draft, structured-field form, one
 //! dialect): which limit they describe (the quota or the request's per-key
 //! bucket, whichever has fewer tokens left) as a pure function, and the
-//! headers written from it.
+//! headers written from it, with `Quota-Policy-Version`, the version of
+//! that quota's policy.
 
 use crate::quotas::PolicyInfo;
 use axum::http::{HeaderMap, HeaderValue};
@@ -27,7 +28,16 @@ pub fn rate_limit_headers(
     if let Ok(v) = HeaderValue::from_str(&format!("\"{}\";r={};t={}", l.name, l.r, l.t)) {
         h.insert("ratelimit", v);
     }
+    // The version of the policy that decided (the quota the headers
+    // describe), so a client or proxy log can tie a refusal to a policy
+    // change; absent while no policy is known.
+    if let Some(p) = policy {
+        h.insert(POLICY_VERSION_HEADER, HeaderValue::from(p.version));
+    }
 }
+
+/// The header naming the version of the policy that decided.
+pub const POLICY_VERSION_HEADER: &str = "quota-policy-version";
 
 /// One limit as the `RateLimit` headers show it.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -29,6 +29,76 @@ async fn ratelimit_r_is_never_0_on_an_admit_while_the_pool_has_room() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_answer_names_the_policy_version_that_decided() {
+    // Leases of at most 5: the agent asks again every few admits and so
+    // learns a new version soon after it is published.
+    let w = World::start().await;
+    let v1 = json!({"limit": 1000, "window_secs": 3600, "chunk_min": 1, "chunk_max": 5});
+    w.policy("atlas", "read", v1.clone()).await;
+    w.policy("atlas", "write", v1).await;
+    let a = w.agent("eu", "eu-1", None, &[]).await;
+    let version = |r: &quota_tests::http::Resp| {
+        let header = r.header("quota-policy-version").and_then(|v| v.parse::<i64>().ok());
+        assert!(header.is_some(), "no Quota-Policy-Version on {} {}", r.status, r.body);
+        header
+    };
+
+    let r = acquire(&a.http, "atlas", "read").await.expect(200);
+    assert_eq!(r.body["policy_version"], 1, "{}", r.body);
+    assert_eq!(version(&r), Some(1));
+
+    // Version 2 spends out what is already leased: once the agent has
+    // learned it, its answers name it, and the refusal that follows too.
+    w.policy("atlas", "read", json!({"limit": 8, "window_secs": 3600, "chunk_min": 1, "chunk_max": 5})).await;
+    let seen = std::sync::Mutex::new(Vec::new());
+    let (http, seen_ref) = (&a.http, &seen);
+    let refusal = quota_tests::wait::poll(
+        std::time::Duration::from_secs(10),
+        std::time::Duration::from_millis(20),
+        || async move {
+            let r = acquire(http, "atlas", "read").await;
+            let v = version(&r);
+            if r.status == 200 {
+                assert_eq!(r.body["policy_version"].as_i64(), v, "body and header agree: {}", r.body);
+            }
+            seen_ref.lock().unwrap().push((r.status, v));
+            if r.status == 429 {
+                Ok(r)
+            } else {
+                Err(())
+            }
+        },
+    )
+    .await
+    .unwrap_or_else(|()| panic!("no 429 under version 2 within 10 s: {:?}", seen.lock().unwrap()));
+    let seen = seen.into_inner().unwrap();
+    assert_eq!(refusal.body["error"], "quota_exhausted", "{}", refusal.body);
+    assert_eq!(version(&refusal), Some(2), "the refusal names the version that refused");
+    // Versions only move forward along the answers.
+    let versions: Vec<i64> = seen.iter().filter_map(|(_, v)| *v).collect();
+    assert!(versions.windows(2).all(|p| p[0] <= p[1]), "{seen:?}");
+
+    // Several quotas: each part names its own policy's version.
+    let r = a
+        .http
+        .post("/v1/acquire", &json!({"tenant": "atlas", "resources": [{"resource": "write"}]}))
+        .await
+        .expect(200);
+    assert_eq!(r.body["results"][0]["policy_version"], 1, "{}", r.body);
+    assert_eq!(r.body["policy_version"], 1, "{}", r.body);
+
+    // The agent counts decisions and refusals per version.
+    let text = a.http.get("/metrics").await.expect(200).body.as_str().unwrap_or_default().to_string();
+    for series in [
+        "agent_quota_decisions_total{quota=\"atlas/read\",version=\"1\"}",
+        "agent_quota_decisions_total{quota=\"atlas/read\",version=\"2\"}",
+        "agent_quota_refusals_total{quota=\"atlas/read\",code=\"quota_exhausted\",version=\"2\"}",
+    ] {
+        assert!(text.lines().any(|l| l.starts_with(series)), "{series} missing:\n{text}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn acquire_admits_from_a_lease_and_bad_input_is_refused_without_charge() {
     let w = World::start().await;
     w.policy("atlas", "read", json!({"limit": 100, "window_secs": 3600})).await;

@@ -88,9 +88,11 @@ async fn ok_then_over_limit_at_the_quota_and_unknown_descriptors_are_not_limited
         assert!(s.limit_remaining < 5, "{r:?}");
         assert!(s.duration_until_reset.is_some_and(|d| d.seconds > 0 && d.seconds <= 3600), "{r:?}");
         assert_eq!(header(&r, "ratelimit-policy"), Some("\"atlas/read\";q=5;w=3600"), "{r:?}");
+        assert_eq!(header(&r, "quota-policy-version"), Some("1"), "{r:?}");
     }
     let r = ask(&c, read(), 0).await.expect("an answer");
     assert_eq!(r.overall_code, Code::OverLimit as i32, "{r:?}");
+    assert_eq!(header(&r, "quota-policy-version"), Some("1"), "the refusal names its version: {r:?}");
     assert_eq!(r.statuses[0].code, Code::OverLimit as i32);
     assert!(header(&r, "retry-after").and_then(|v| v.parse::<i64>().ok()).is_some_and(|s| s >= 1), "{r:?}");
 

@@ -124,8 +124,16 @@ async fn scrapes_are_promtool_clean_and_carry_every_metric_the_dashboard_and_ale
     assert_eq!(metric(&agent_text, "agent_quota_mode{quota=\"atlas/read\",mode=\"leased\"}"), Some(0.0));
     assert_eq!(metric(&agent_text, "agent_policy_version{quota=\"atlas/read\"}"), Some(1.0), "{agent_text}");
     assert!(
-        metric(&agent_text, "agent_quota_refusals_total{quota=\"atlas/read\",code=\"quota_exhausted\"}")
-            .is_some_and(|v| v >= 1.0),
+        metric(
+            &agent_text,
+            "agent_quota_refusals_total{quota=\"atlas/read\",code=\"quota_exhausted\",version=\"1\"}"
+        )
+        .is_some_and(|v| v >= 1.0),
+        "{agent_text}"
+    );
+    assert!(
+        metric(&agent_text, "agent_quota_decisions_total{quota=\"atlas/read\",version=\"1\"}")
+            .is_some_and(|v| v >= 2.0),
         "{agent_text}"
     );
     let offset = metric(&agent_text, "agent_allocator_clock_offset_seconds").expect("clock offset");
