@@ -188,6 +188,26 @@ pub fn on_constraint(
     }
 }
 
+/// Whether `e` says the connection's server is not (or no longer) a
+/// writable primary, or the connection itself broke, so the same statement
+/// may succeed on a fresh connection through the load balancer: the
+/// session ended under it (closed or reset socket), the server refused a
+/// write because it now runs read-only (25006, a demoted primary or a
+/// replica reached through a stale route), it is shutting down or not yet
+/// accepting (57P01 admin shutdown, 57P02 crash shutdown, 57P03 cannot
+/// connect now), or a connection exception (class 08). Statement and lock
+/// timeouts, serialization failures and anything else are not failovers.
+pub fn is_failover_error(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Io(_) => true,
+        sqlx::Error::Database(db) => match db.code() {
+            Some(code) => matches!(&*code, "25006" | "57P01" | "57P02" | "57P03") || code.starts_with("08"),
+            None => false,
+        },
+        _ => false,
+    }
+}
+
 /// SQLSTATEs that mean the server cannot serve right now and a retry may
 /// succeed: statement or lock timeouts (57014, 55P03), shutdown and
 /// connection classes (57P0x, 08xxx), too many connections (53300), a
@@ -207,9 +227,9 @@ fn is_unavailable_sqlstate(code: Option<&str>) -> bool {
 
 impl Error {
     /// Whether this is a database failover seen from a connection
-    /// ([`crate::tx::is_failover_error`]): retried where safe.
+    /// ([`is_failover_error`]): retried where safe.
     pub fn is_failover(&self) -> bool {
-        matches!(self, Error::DatabaseUnavailable(e) if crate::tx::is_failover_error(e))
+        matches!(self, Error::DatabaseUnavailable(e) if is_failover_error(e))
     }
 
     /// The JSON body of this error (logging an internal cause, never
@@ -324,6 +344,22 @@ mod tests {
 
     fn violation(constraint: Option<&'static str>) -> sqlx::Error {
         fake_db::unique_violation(constraint)
+    }
+
+    #[test]
+    fn failover_errors_are_read_only_shutdown_connection_and_closed_sockets() {
+        for code in ["25006", "57P01", "57P02", "57P03", "08000", "08003", "08006", "08P01"] {
+            assert!(is_failover_error(&fake_db::server(code)), "{code}");
+        }
+        let closed = std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "connection closed");
+        assert!(is_failover_error(&sqlx::Error::Io(closed)));
+        // Timeouts, contention, constraint and anything not about the
+        // server's role or the connection: not retried here.
+        for code in ["57014", "55P03", "40001", "40P01", "23505", "53300", "42P01"] {
+            assert!(!is_failover_error(&fake_db::server(code)), "{code}");
+        }
+        assert!(!is_failover_error(&sqlx::Error::PoolTimedOut));
+        assert!(!is_failover_error(&sqlx::Error::RowNotFound));
     }
 
     #[test]

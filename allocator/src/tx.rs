@@ -19,7 +19,8 @@
 //!
 //! It also owns following a PostgreSQL failover (issue 34): which errors
 //! mean "this connection no longer reaches a writable primary"
-//! ([`is_failover_error`]), retrying a statement that is safe to repeat
+//! ([`crate::error::is_failover_error`], a rule of the error module),
+//! retrying a statement that is safe to repeat
 //! within a short budget ([`retry_failover`]), and dropping the pooled
 //! connections opened before the failover ([`opened_before_failover`]).
 
@@ -57,26 +58,6 @@ const FAILOVER_BACKOFF: [Duration; 4] = [
     Duration::from_millis(150),
     Duration::from_millis(250),
 ];
-
-/// Whether `e` says the connection's server is not (or no longer) a
-/// writable primary, or the connection itself broke, so the same statement
-/// may succeed on a fresh connection through the load balancer: the
-/// session ended under it (closed or reset socket), the server refused a
-/// write because it now runs read-only (25006, a demoted primary or a
-/// replica reached through a stale route), it is shutting down or not yet
-/// accepting (57P01 admin shutdown, 57P02 crash shutdown, 57P03 cannot
-/// connect now), or a connection exception (class 08). Statement and lock
-/// timeouts, serialization failures and anything else are not failovers.
-pub fn is_failover_error(e: &sqlx::Error) -> bool {
-    match e {
-        sqlx::Error::Io(_) => true,
-        sqlx::Error::Database(db) => match db.code() {
-            Some(code) => matches!(&*code, "25006" | "57P01" | "57P02" | "57P03") || code.starts_with("08"),
-            None => false,
-        },
-        _ => false,
-    }
-}
 
 /// When (ms after [`clock_origin`], 0 for never) a failover error was last
 /// seen. Process-wide: an allocator process talks to one database.
@@ -143,22 +124,6 @@ mod tests {
     use super::*;
 
     use crate::error::fake_db::server;
-
-    #[test]
-    fn failover_errors_are_read_only_shutdown_connection_and_closed_sockets() {
-        for code in ["25006", "57P01", "57P02", "57P03", "08000", "08003", "08006", "08P01"] {
-            assert!(is_failover_error(&server(code)), "{code}");
-        }
-        let closed = std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "connection closed");
-        assert!(is_failover_error(&sqlx::Error::Io(closed)));
-        // Timeouts, contention, constraint and anything not about the
-        // server's role or the connection: not retried here.
-        for code in ["57014", "55P03", "40001", "40P01", "23505", "53300", "42P01"] {
-            assert!(!is_failover_error(&server(code)), "{code}");
-        }
-        assert!(!is_failover_error(&sqlx::Error::PoolTimedOut));
-        assert!(!is_failover_error(&sqlx::Error::RowNotFound));
-    }
 
     #[test]
     fn a_read_only_primary_is_unavailable_and_a_failover() {

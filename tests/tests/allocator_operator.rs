@@ -357,6 +357,7 @@ const ROUTES: &[(&str, &str, Class)] = &[
     ("post", "/v1/agents/register", Class::Agent),
     ("post", "/v1/grants", Class::Agent),
     ("post", "/v1/leases/{lease_id}/release", Class::Agent),
+    ("post", "/v1/leases/release", Class::Agent),
     ("post", "/v1/reports", Class::Agent),
     ("put", "/v1/agents/{region}/{agent}/status", Class::Agent),
     ("put", "/v1/policies/{tenant}/{resource}", Class::Admin),
@@ -397,6 +398,9 @@ async fn call(http: &Http, method: &str, template: &str, lease_id: &str, epoch: 
         }
         ("post", "/v1/reports") => {
             http.post(&path, &report_body("eu", epoch, "auth-r", &json!("2026-12-02T10:00:00Z"), 0, 0)).await
+        }
+        ("post", "/v1/leases/release") => {
+            http.post(&path, &json!({"items": [{"lease_id": lease_id, "epoch": epoch, "unspent": 0}]})).await
         }
         ("post", _) => http.post(&path, &json!({"epoch": epoch, "unspent": 0})).await,
         ("put", "/v1/agents/{region}/{agent}/status") => {

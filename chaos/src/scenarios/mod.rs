@@ -14,6 +14,7 @@
 //!
 //! plus the checks of its own (I1, I3, I4, ledger events, epochs).
 
+pub mod catalog;
 mod faults;
 mod harness;
 mod netns;
@@ -23,6 +24,7 @@ mod redis;
 
 use crate::bins;
 use crate::report::{self, ScenarioReport, Verdict};
+pub use catalog::{PATRONI_SCENARIOS, SCENARIOS};
 use clap::Args;
 pub use harness::{Profile, Run};
 
@@ -51,43 +53,6 @@ pub struct ChaosArgs {
     #[arg(long)]
     pub no_publish: bool,
 }
-
-/// Every scenario, in the order they run, with what it shows.
-pub const SCENARIOS: &[(&str, &str)] = &[
-    ("partition-bounded", "a region cut off from the allocator for 2+ windows, bounded fallback"),
-    ("partition-strict", "the same in strict mode: admitted <= G, 503 and never 429"),
-    (
-        "partition-heal-repaid",
-        "demand above G, a region cut off within one window and healed mid-window: its fallback repaid, admitted <= G",
-    ),
-    ("lost-grant-replies", "grant replies swallowed, agents retry: replays, no double debit"),
-    ("allocator-kill", "one of two allocator replicas SIGKILLed mid-traffic and restarted"),
-    ("agent-restart", "an agent SIGKILLed and restarted: new epoch, old epoch refused"),
-    ("redis-restart-empty", "a region's Redis restarted empty mid-window"),
-    ("redis-rollback", "a region's Redis restarted from an older snapshot, demand above G, strict"),
-    ("redis-failover", "eu's Redis primary killed, Sentinel promotes a replica that missed writes, strict"),
-    ("redis-eviction", "eu's Redis switched to maxmemory-policy allkeys-lru for 1.5 windows and back"),
-    ("postgres-restart", "PostgreSQL killed and restarted: agents serve from leases"),
-    (
-        "postgres-failover",
-        "Patroni + HAProxy: the primary's host killed, Patroni promotes its synchronous standby: no grant lost",
-    ),
-    (
-        "postgres-failover-async",
-        "the same with an asynchronous replica that missed commits: lost grants and reports counted",
-    ),
-    ("postgres-switchover", "patronictl switchover (planned maintenance): nothing lost, the gap measured"),
-    ("etcd-loss", "etcd killed past the leader key's ttl: Patroni demotes the primary, 503s, resumes"),
-    ("clock-skew", "agents with wall clocks 30 s ahead and behind"),
-    ("demand-skew", "DESIGN §4 skew and contention outcomes, rollover without a gap"),
-    ("zombie", "an old agent incarnation keeps sending after its re-registration"),
-    ("paused-agent", "an agent SIGSTOPped past its leases' life, then SIGCONTed"),
-    ("netns-partition", "a region cut off at the kernel level (network namespace)"),
-];
-
-/// The scenarios whose database is a Patroni cluster behind HAProxy.
-pub const PATRONI_SCENARIOS: &[&str] =
-    &["postgres-failover", "postgres-failover-async", "postgres-switchover", "etcd-loss"];
 
 async fn run_one(name: &str, p: &Profile, bins: &bins::Bins) -> Result<ScenarioReport, String> {
     let b = bins.clone();
