@@ -50,38 +50,41 @@ struct Inner {
     running: bool,
 }
 
+/// Makes one run of the spend script for a batch of asks: the caller's
+/// (it knows the quota, the store and what a loss means). A trait rather
+/// than a closure so that the implementation lives below this module
+/// (`crate::spend_run`) and each run's future stays unboxed.
+pub trait Runner: Send + Sync + 'static {
+    /// One run for `asks`, all sharing `common`.
+    fn run(&self, common: Common, asks: Vec<Ask>) -> impl Future<Output = RunAnswer> + Send;
+}
+
 /// Decides one request, in a run shared with the requests queued beside
-/// it. `run` makes one run of the spend script for the asks given (the
-/// caller's: it knows the quota, the store and what a loss means);
-/// `redis_timeout` bounds each run.
-pub async fn spend<R, Fut>(
+/// it. `runner` makes the runs; `redis_timeout` bounds each run.
+pub async fn spend<R: Runner>(
     queue: &Arc<SpendQueue>,
     redis_timeout: Duration,
     common: Common,
     ask: Ask,
-    run: R,
-) -> Answer
-where
-    R: Fn(Common, Vec<Ask>) -> Fut + Send + Sync + 'static,
-    Fut: Future<Output = RunAnswer> + Send + 'static,
-{
+    runner: R,
+) -> Answer {
     let (tx, rx) = oneshot::channel();
     // The ask comes back only when the queue is full.
     let alone = {
         let mut sq = queue.inner.lock().unwrap();
         if sq.queue.len() >= MAX_QUEUED {
-            Some((ask, run))
+            Some((ask, runner))
         } else {
             sq.queue.push_back(Queued { common, ask, tx });
             if !sq.running {
                 sq.running = true;
-                tokio::spawn(drain(queue.clone(), run));
+                tokio::spawn(drain(queue.clone(), runner));
             }
             None
         }
     };
-    if let Some((ask, run)) = alone {
-        return first(run(common, vec![ask]).await);
+    if let Some((ask, runner)) = alone {
+        return first(runner.run(common, vec![ask]).await);
     }
     // The run ahead of this request's and its own, each bounded by the
     // Redis timeout.
@@ -132,11 +135,7 @@ impl Drop for Running<'_> {
 }
 
 /// Runs the queue until it is empty.
-async fn drain<R, Fut>(q: Arc<SpendQueue>, run: R)
-where
-    R: Fn(Common, Vec<Ask>) -> Fut,
-    Fut: Future<Output = RunAnswer>,
-{
+async fn drain<R: Runner>(q: Arc<SpendQueue>, runner: R) {
     let mut guard = Running { q: &q, armed: true };
     loop {
         let (common, batch) = {
@@ -162,7 +161,7 @@ where
             (common, batch)
         };
         let asks: Vec<Ask> = batch.iter().map(|e| e.ask.clone()).collect();
-        let answers = split(run(common, asks).await, batch.len());
+        let answers = split(runner.run(common, asks).await, batch.len());
         for (e, a) in batch.into_iter().zip(answers) {
             let _ = e.tx.send(a);
         }

@@ -399,16 +399,14 @@ async fn spend_once(
     let sent = Instant::now();
     let r = if let [i] = active {
         let q = &qs[*i];
-        // A closure here (not a function returning one) keeps each run's
-        // future unboxed: a named return type would need `Box<dyn Future>`.
-        let run = {
-            let (app, q) = (app.clone(), q.clone());
-            move |common, asks: Vec<Ask>| {
-                let (app, q) = (app.clone(), q.clone());
-                async move { spend_run::run(&app, std::slice::from_ref(&q), &[common], &asks).await }
-            }
-        };
-        batch::spend(&q.spends, app.settings.redis_timeout, common(*i), ask, run).await
+        batch::spend(
+            &q.spends,
+            app.settings.redis_timeout,
+            common(*i),
+            ask,
+            spend_run::QuotaRuns::new(app, q),
+        )
+        .await
     } else {
         let quotas: Vec<Arc<Quota>> = active.iter().map(|&i| qs[i].clone()).collect();
         let commons: Vec<Common> = active.iter().map(|&i| common(i)).collect();

@@ -3,7 +3,7 @@
 //! adopts the token the run saw, and a loss (a changed incarnation, an
 //! epoch fence) is handled on the quota it names. [`crate::spend`] asks
 //! for runs, directly for a decision over several quotas and through
-//! [`crate::batch`] for one quota's coalesced requests,
+//! [`crate::batch`] (with [`QuotaRuns`]) for one quota's coalesced requests,
 //! so that a decision's path goes down spend → batch → spend_run → scripts and
 //! never back up.
 
@@ -12,6 +12,24 @@ use crate::batch;
 use crate::quotas::Quota;
 use crate::scripts::{self, Ask, Caller, Common, On, Outcome, Part};
 use std::sync::Arc;
+
+/// The runs of one quota's batches, as [`batch::spend`] starts them.
+pub(crate) struct QuotaRuns {
+    app: Arc<Decider>,
+    q: Arc<Quota>,
+}
+
+impl QuotaRuns {
+    pub(crate) fn new(app: &Arc<Decider>, q: &Arc<Quota>) -> QuotaRuns {
+        QuotaRuns { app: app.clone(), q: q.clone() }
+    }
+}
+
+impl batch::Runner for QuotaRuns {
+    async fn run(&self, common: Common, asks: Vec<Ask>) -> batch::RunAnswer {
+        run(&self.app, std::slice::from_ref(&self.q), &[common], &asks).await
+    }
+}
 
 /// One run of the spend script for `asks` on `quotas`, settled (each
 /// quota's token adopted, a loss handled) before its answers go out.
