@@ -10,6 +10,7 @@ use crate::quotas::PolicyInfo;
 use crate::request::{
     visible_ascii, Acquire, Paid, ResourceCost, MAX_COST, MAX_KEY_LEN, MAX_REQUEST_ID_LEN, MAX_RESOURCES,
 };
+use crate::shed::{DEFAULT_PRIORITY, MAX_PRIORITY};
 use crate::spend::decide;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -54,9 +55,16 @@ pub struct AcquireRequest {
     #[serde(default)]
     #[schema(min_length = 1, max_length = 128, pattern = "^[!-~]{1,128}$")]
     pub key: Option<String>,
+    /// 0 (most important: health checks, payment capture) to 4 (shed
+    /// first), default 2. When this agent is overloaded it answers `503
+    /// shed` to priority 4 first, then 3, then 2; 0 and 1 are never shed.
+    #[serde(default)]
+    #[schema(minimum = 0, maximum = 4, default = 2)]
+    pub priority: Option<i64>,
 }
 
-const FIELDS: [&str; 7] = ["tenant", "resource", "cost", "resources", "request_id", "key", "body"];
+const FIELDS: [&str; 8] =
+    ["tenant", "resource", "cost", "resources", "request_id", "key", "priority", "body"];
 
 fn parse(body: std::result::Result<Bytes, BytesRejection>) -> Result<Acquire> {
     let bytes = body.map_err(|r| {
@@ -145,7 +153,14 @@ fn parse(body: std::result::Result<Bytes, BytesRejection>) -> Result<Acquire> {
             ));
         }
     }
-    Ok(Acquire { tenant: req.tenant, wants, multi, request_id: req.request_id, key: req.key })
+    let priority = match req.priority {
+        None => DEFAULT_PRIORITY,
+        Some(p) => u8::try_from(p)
+            .ok()
+            .filter(|p| *p <= MAX_PRIORITY)
+            .ok_or_else(|| Error::invalid("priority", format!("must be 0 to {MAX_PRIORITY}, got {p}")))?,
+    };
+    Ok(Acquire { tenant: req.tenant, wants, multi, request_id: req.request_id, key: req.key, priority })
 }
 
 /// `POST /v1/acquire`: one admission decision.

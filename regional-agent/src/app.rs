@@ -80,6 +80,8 @@ pub struct Decider {
     pub ident: Arc<Identity>,
     pub metrics: Arc<Registry>,
     pub clock: Arc<dyn Clock>,
+    /// Shedding by priority: the lines and the decisions in flight.
+    pub shed: Arc<crate::shed::Shedder>,
     alloc: Arc<AllocatorClient>,
     alloc_clock: Arc<AllocatorClock>,
 }
@@ -142,6 +144,7 @@ impl App {
             ident: Arc::default(),
             metrics: Arc::new(metrics),
             clock: clock.clone(),
+            shed: Arc::new(crate::shed::Shedder::new(settings.shed_in_flight, settings.shed_store_latency)),
             alloc: Arc::new(alloc),
             alloc_clock: alloc_clock.clone(),
         });

@@ -147,6 +147,19 @@ pub struct Config {
     #[arg(long, env = "AGENT_ACQUIRE_WAIT_MS", default_value_t = 300)]
     pub acquire_wait_ms: u64,
 
+    /// Decisions in flight at which this agent starts shedding by
+    /// priority (`503 shed`): priority 4 at this line, 3 at 1.25x, 2 at
+    /// 1.5x; 0 and 1 never. 0 turns the count off.
+    #[arg(long, env = "AGENT_SHED_IN_FLIGHT", default_value_t = 512)]
+    pub shed_in_flight: usize,
+
+    /// Spend-script latency (a moving average over the last second) at
+    /// which this agent sheds by priority as for `--shed-in-flight`, ms;
+    /// 0 (the default) turns it off: a slow store is already bounded by
+    /// `--redis-timeout-ms`.
+    #[arg(long, env = "AGENT_SHED_STORE_LATENCY_MS", default_value_t = 0)]
+    pub shed_store_latency_ms: u64,
+
     /// How often the outbox is cut and drained, ms.
     #[arg(long, env = "AGENT_OUTBOX_INTERVAL_MS", default_value_t = 200)]
     pub outbox_interval_ms: u64,
@@ -234,6 +247,10 @@ pub struct Settings {
     pub allocator_timeout: Duration,
     pub redis_timeout: Duration,
     pub acquire_wait: Duration,
+    /// Decisions in flight that start shedding (0: off).
+    pub shed_in_flight: usize,
+    /// Spend latency that starts shedding (zero: off).
+    pub shed_store_latency: Duration,
     pub outbox_interval: Duration,
     /// `None`: no status is sent (`--status-interval-ms 0`).
     pub status_interval: Option<Duration>,
@@ -459,6 +476,8 @@ impl Config {
             allocator_timeout: Duration::from_millis(self.allocator_timeout_ms.max(1)),
             redis_timeout: Duration::from_millis(self.redis_timeout_ms.max(1)),
             acquire_wait: Duration::from_millis(self.acquire_wait_ms),
+            shed_in_flight: self.shed_in_flight,
+            shed_store_latency: Duration::from_millis(self.shed_store_latency_ms),
             outbox_interval: Duration::from_millis(self.outbox_interval_ms.max(10)),
             status_interval: (self.status_interval_ms > 0)
                 .then(|| Duration::from_millis(self.status_interval_ms.max(100))),

@@ -3,7 +3,7 @@
 //! value naming the field, 404 unknown quota, 409 request id mismatch, 429
 //! quota exhausted or per-key limited (the body's `limit` names which:
 //! `per_key` or the resource; `resource` the quota that refused), 503
-//! allocator unreachable or store unavailable. 429 and 503 carry a
+//! allocator unreachable, store unavailable or shed (priority shedding). 429 and 503 carry a
 //! `Retry-After` in whole seconds, at least 1, jittered.
 
 use axum::http::{HeaderValue, StatusCode};
@@ -83,6 +83,10 @@ pub enum Error {
     /// is one grant away from knowing; see `quotas::MAX_LEARNING`).
     #[error("this agent is learning the policies of too many new quota names at once; retry")]
     TooManyQuotas,
+    /// This agent is overloaded and sheds the request's priority first
+    /// (see [`crate::shed`]); nothing was charged.
+    #[error("this agent is overloaded and sheds priority {priority} requests first; retry later")]
+    Shed { priority: u8 },
     /// No such route.
     #[error("no route {0}")]
     NoRoute(String),
@@ -106,7 +110,8 @@ impl Error {
             Error::AllocatorUnreachable
             | Error::StoreUnavailable
             | Error::StoreNotSafe(_)
-            | Error::TooManyQuotas => StatusCode::SERVICE_UNAVAILABLE,
+            | Error::TooManyQuotas
+            | Error::Shed { .. } => StatusCode::SERVICE_UNAVAILABLE,
         }
     }
 
@@ -123,6 +128,7 @@ impl Error {
             Error::AllocatorUnreachable => "allocator_unreachable",
             Error::StoreUnavailable | Error::StoreNotSafe(_) => "store_unavailable",
             Error::TooManyQuotas => "too_many_quotas",
+            Error::Shed { .. } => "shed",
             Error::NoRoute(_) => "not_found",
         }
     }
@@ -136,7 +142,8 @@ impl Error {
             Error::AllocatorUnreachable
             | Error::StoreUnavailable
             | Error::StoreNotSafe(_)
-            | Error::TooManyQuotas => Some(retry_after_secs(1000)),
+            | Error::TooManyQuotas
+            | Error::Shed { .. } => Some(retry_after_secs(1000)),
             _ => None,
         }
     }

@@ -47,6 +47,7 @@ pub struct StatusView {
     pub unknown: Arc<Unknown>,
     pub ident: Arc<Identity>,
     pub metrics: Arc<Registry>,
+    pub shed: Arc<crate::shed::Shedder>,
 }
 
 impl FromRef<AppState> for StatusView {
@@ -62,6 +63,7 @@ impl FromRef<AppState> for StatusView {
             unknown: app.unknown.clone(),
             ident: app.ident.clone(),
             metrics: app.metrics.clone(),
+            shed: app.decider.shed.clone(),
         }
     }
 }
@@ -180,6 +182,19 @@ pub fn describe(m: &Registry) {
         "Entries in the region's dead-letter list (at most 1000 kept)",
     );
     m.describe("agent_epoch", "gauge", "The agent's current epoch");
+    m.describe(
+        "agent_decisions_in_flight",
+        "gauge",
+        "Decisions (HTTP acquire and RLS) in flight in this agent, the count --shed-in-flight compares against",
+    );
+    m.describe(
+        "agent_shed_total",
+        "counter",
+        "Requests answered 503 shed (RLS: OVER_LIMIT with x-quota-refused: shed) because this agent was overloaded, by priority (2 to 4; 0 and 1 are never shed); nothing was charged",
+    );
+    for p in ["2", "3", "4"] {
+        m.inc_by("agent_shed_total", &[("priority", p)], 0.0);
+    }
 }
 
 /// `GET /readyz`: Redis answers and runs with `maxmemory-policy noeviction`.
@@ -217,6 +232,7 @@ pub(crate) async fn metrics(State(app): State<StatusView>) -> impl IntoResponse 
     let reachable = app.alloc.breaker.reachable();
     app.metrics.set("agent_allocator_reachable", &[], if reachable { 1.0 } else { 0.0 });
     app.metrics.set("agent_quotas", &[], app.quotas.len() as f64);
+    app.metrics.set("agent_decisions_in_flight", &[], app.shed.in_flight() as f64);
     app.metrics.set("agent_unknown_quota_names", &[], app.unknown.len() as f64);
     if let Ok((n, _)) = app.dead_letters(0).await {
         app.metrics.set("agent_outbox_dead_letters", &[], n as f64);

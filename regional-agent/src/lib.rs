@@ -65,6 +65,9 @@
 //! * [`step`]: the pure rule of a request that found no token (sleep for
 //!   a next-window lease, wait for a renewal, fallback, 429 or 503).
 //! * [`request_id`]: the tenant-wide claim of a `request_id`.
+//! * [`shed`]: shedding by priority (`503 shed`) when this agent's own
+//!   decisions in flight or its store latency cross a line; the rule is
+//!   pure, checked first in `spend::decide`.
 //! * [`shadow`]: shadow mode (`enforce: false`): a refusal becomes an
 //!   admit that debits nothing, counted for the report.
 //! * [`headers`]: the `RateLimit` headers of the most restrictive limit.
@@ -273,6 +276,7 @@ pub mod rls;
 pub mod scripts;
 pub mod sentinel;
 pub mod shadow;
+pub mod shed;
 pub mod spend;
 pub mod spend_run;
 pub mod status_report;

@@ -53,6 +53,8 @@ pub struct Acquire {
     pub multi: bool,
     pub request_id: Option<String>,
     pub key: Option<String>,
+    /// 0 (most important) to 4 (shed first, see [`crate::shed`]).
+    pub priority: u8,
 }
 
 impl Acquire {

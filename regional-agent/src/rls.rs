@@ -34,6 +34,7 @@ use crate::config::RlsMapping as Mapping;
 use crate::error::{Error, PolicyRefusal};
 use crate::quotas::PolicyInfo;
 use crate::request::{self, Acquire, Decided, ResourceCost};
+use crate::shed::{DEFAULT_PRIORITY, MAX_PRIORITY};
 use crate::spend;
 use envoy_types::pb::envoy::config::core::v3::HeaderValue;
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
@@ -64,8 +65,15 @@ pub const ECHO_MAX: usize = 128;
 /// Most bytes of an error message (Envoy and gRPC clients carry it in a
 /// header: a 1 MB echo made standard clients fail on the header instead).
 pub const MESSAGE_MAX: usize = 1024;
-/// The header of a policy refusal's reason ([`PolicyRefusal::label`]).
+/// The header of a policy refusal's reason ([`PolicyRefusal::label`]), or
+/// of a shed request ([`SHED_REASON`]).
 pub const REFUSED_HEADER: &str = "x-quota-refused";
+/// [`REFUSED_HEADER`]'s value for a request shed by priority.
+pub const SHED_REASON: &str = "shed";
+/// The descriptor entry that gives the request's priority (0 to 4, see
+/// [`crate::shed`]); when descriptors give several, the most important
+/// (lowest) counts.
+pub const PRIORITY_ENTRY: &str = "priority";
 
 /// `v` quoted, cut to [`ECHO_MAX`] bytes (on a character boundary).
 pub fn echo(v: &str) -> String {
@@ -102,6 +110,8 @@ pub struct Read {
     pub of: Vec<Option<usize>>,
     /// The principal the descriptors name, if any.
     pub key: Option<String>,
+    /// The request's priority (the lowest any descriptor gives, else the default).
+    pub priority: u8,
     /// The first descriptor whose quota's added cost is above
     /// [`request::MAX_COST`]: no quota admits it, refused without a decision.
     pub too_costly: Option<usize>,
@@ -115,10 +125,20 @@ pub fn read(req: &RateLimitRequest, m: &Mapping) -> Result<Read, String> {
         return Err(format!("at most {MAX_DESCRIPTORS} descriptors, got {}", req.descriptors.len()));
     }
     let request_cost = i64::from(req.hits_addend.max(1));
-    let mut read =
-        Read { tenant: req.domain.clone(), wants: Vec::new(), of: Vec::new(), key: None, too_costly: None };
+    let mut read = Read {
+        tenant: req.domain.clone(),
+        wants: Vec::new(),
+        of: Vec::new(),
+        key: None,
+        priority: DEFAULT_PRIORITY,
+        too_costly: None,
+    };
+    let mut priority: Option<u8> = None;
     for (i, d) in req.descriptors.iter().enumerate() {
-        let (resource, key) = entries(d, m).map_err(|e| format!("descriptor {i}: {e}"))?;
+        let (resource, key, p) = entries(d, m).map_err(|e| format!("descriptor {i}: {e}"))?;
+        if let Some(p) = p {
+            priority = Some(priority.map_or(p, |q| q.min(p)));
+        }
         if d.is_negative_hits {
             return Err(format!("descriptor {i}: negative hits (refunds) are not supported"));
         }
@@ -157,6 +177,7 @@ pub fn read(req: &RateLimitRequest, m: &Mapping) -> Result<Read, String> {
         };
         read.of.push(Some(at));
     }
+    read.priority = priority.unwrap_or(DEFAULT_PRIORITY);
     if read.wants.len() > request::MAX_RESOURCES {
         return Err(format!(
             "at most {} distinct quotas per request, got {}",
@@ -170,10 +191,25 @@ pub fn read(req: &RateLimitRequest, m: &Mapping) -> Result<Read, String> {
     Ok(read)
 }
 
-/// A descriptor's quota and principal entries.
-fn entries(d: &RateLimitDescriptor, m: &Mapping) -> Result<(Option<String>, Option<String>), String> {
-    let (mut resource, mut key) = (None, None);
+/// A descriptor's quota, principal and priority entries.
+type Entries = (Option<String>, Option<String>, Option<u8>);
+
+/// A descriptor's quota, principal and priority entries.
+fn entries(d: &RateLimitDescriptor, m: &Mapping) -> Result<Entries, String> {
+    let (mut resource, mut key, mut priority) = (None, None, None);
     for e in &d.entries {
+        if e.key == PRIORITY_ENTRY && e.key != m.resource_key && e.key != m.key_entry {
+            if priority.is_some() {
+                return Err(format!(
+                    "entry {PRIORITY_ENTRY} is given twice; the descriptor must name it once"
+                ));
+            }
+            let p = e.value.parse::<u8>().ok().filter(|p| *p <= MAX_PRIORITY).ok_or_else(|| {
+                format!("{PRIORITY_ENTRY} must be 0 to {MAX_PRIORITY}, got {}", echo(&e.value))
+            })?;
+            priority = Some(p);
+            continue;
+        }
         // Entries the agent reads must be unambiguous; others (Envoy's
         // `path`, `generic_key` ...) are not read and may repeat.
         let seen =
@@ -196,7 +232,7 @@ fn entries(d: &RateLimitDescriptor, m: &Mapping) -> Result<(Option<String>, Opti
             key = Some(e.value.clone());
         }
     }
-    Ok((resource, key))
+    Ok((resource, key, priority))
 }
 
 /// The policy as Envoy's `RateLimit`: `limit` per unit when the window is
@@ -267,6 +303,24 @@ fn refused(read: &Read, descriptor: usize, reason: PolicyRefusal) -> RateLimitRe
     }
 }
 
+/// A request shed by priority (see [`crate::shed`]): every descriptor
+/// `OVER_LIMIT`, nothing charged, [`REFUSED_HEADER`] `shed`.
+fn shed(read: &Read) -> RateLimitResponse {
+    let statuses = (0..read.of.len())
+        .map(|_| DescriptorStatus { code: Code::OverLimit as i32, ..Default::default() })
+        .collect();
+    RateLimitResponse {
+        overall_code: Code::OverLimit as i32,
+        statuses,
+        response_headers_to_add: vec![HeaderValue {
+            key: REFUSED_HEADER.into(),
+            value: SHED_REASON.into(),
+            ..Default::default()
+        }],
+        ..Default::default()
+    }
+}
+
 /// The service (one per agent, sharing its state).
 pub struct Rls {
     app: AppState,
@@ -294,6 +348,7 @@ impl Rls {
                 multi: true,
                 request_id: None,
                 key: read.key.clone(),
+                priority: read.priority,
             };
             if req.wants.is_empty() {
                 return Ok(self.answer(read, &outcome(&[], None)));
@@ -310,6 +365,9 @@ impl Rls {
                     let d = read.of.iter().position(|o| *o == Some(idx[at])).unwrap_or(0);
                     return Ok(self.policy_refusal(read, d, reason));
                 }
+                // A shed is a refusal, not an error: Envoy lets a request
+                // through on an error when failure_mode_deny is off.
+                Err((Error::Shed { .. }, _)) => return Ok(shed(read)),
                 Err((e, _)) => return Err(status_of(&e)),
             }
         }
@@ -550,6 +608,41 @@ mod tests {
 
     fn req(domain: &str, hits: u32, d: Vec<RateLimitDescriptor>) -> RateLimitRequest {
         RateLimitRequest { domain: domain.into(), descriptors: d, hits_addend: hits }
+    }
+
+    #[test]
+    fn the_priority_entry_gives_the_most_important_priority_and_rejects_others() {
+        let m = mapping();
+        let of = |ds: Vec<RateLimitDescriptor>| read(&req("atlas", 0, ds), &m);
+        assert_eq!(of(vec![desc(&[("resource", "read")], None)]).unwrap().priority, DEFAULT_PRIORITY);
+        let two = vec![
+            desc(&[("resource", "read"), ("priority", "4")], None),
+            desc(&[("priority", "1"), ("generic_key", "x")], None),
+        ];
+        let r = of(two).unwrap();
+        assert_eq!((r.priority, r.wants.len(), r.of.clone()), (1, 1, vec![Some(0), None]));
+        for bad in ["5", "-1", "high", ""] {
+            let e = of(vec![desc(&[("resource", "read"), ("priority", bad)], None)]).unwrap_err();
+            assert!(e.contains("priority must be 0 to 4"), "{bad:?}: {e}");
+        }
+        let twice = of(vec![desc(&[("resource", "read"), ("priority", "1"), ("priority", "2")], None)]);
+        assert!(twice.unwrap_err().contains("given twice"));
+    }
+
+    #[test]
+    fn a_shed_request_is_over_limit_on_every_descriptor_with_the_reason() {
+        let r = read(
+            &req("atlas", 0, vec![desc(&[("resource", "a")], None), desc(&[("x", "y")], None)]),
+            &mapping(),
+        )
+        .unwrap();
+        let a = shed(&r);
+        assert_eq!(a.overall_code, Code::OverLimit as i32);
+        assert!(a.statuses.iter().all(|s| s.code == Code::OverLimit as i32) && a.statuses.len() == 2);
+        assert_eq!(
+            (a.response_headers_to_add[0].key.as_str(), a.response_headers_to_add[0].value.as_str()),
+            (REFUSED_HEADER, SHED_REASON)
+        );
     }
 
     #[test]

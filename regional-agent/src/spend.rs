@@ -119,6 +119,12 @@ pub(crate) async fn decide(
     req: &Acquire,
     policies: &mut Vec<PolicyInfo>,
 ) -> std::result::Result<Decided, Refused> {
+    // An overloaded agent sheds the least important requests before any
+    // work (see `shed`): nothing is charged, nothing reaches Redis.
+    let _in_flight = app.shed.enter(req.priority).map_err(|s| {
+        app.metrics.inc("agent_shed_total", &[("priority", crate::shed::label(s.priority))]);
+        (Error::Shed { priority: s.priority }, None)
+    })?;
     // Nothing is decided on a Redis that may evict the agent's keys (see `guard`).
     app.guard.admit().map_err(|e| (e, None))?;
     if req.multi && req.wants.len() > 1 && app.keys.layout() == Layout::Legacy {
@@ -418,6 +424,8 @@ async fn spend_once(
             Err(_) => Err(crate::store::StoreError::Timeout(bound)),
         }
     };
-    app.metrics.observe("agent_acquire_store_seconds", &[], sent.elapsed().as_secs_f64());
+    let waited = sent.elapsed();
+    app.shed.observe_store(waited);
+    app.metrics.observe("agent_acquire_store_seconds", &[], waited.as_secs_f64());
     r
 }
