@@ -281,13 +281,13 @@ struct Outcome<'a> {
     now: chrono::DateTime<chrono::Utc>,
 }
 
-/// A request refused before any quota was spent, by the descriptor that
-/// made it unadmittable: that descriptor `OVER_LIMIT`, the others `OK`,
-/// the reason in [`REFUSED_HEADER`].
-fn refused(read: &Read, descriptor: usize, reason: PolicyRefusal) -> RateLimitResponse {
+/// A request refused before any quota was spent: `OVER_LIMIT` overall and
+/// on the descriptors `over` names, the others `OK`, the reason in
+/// [`REFUSED_HEADER`].
+fn refusal(read: &Read, over: impl Fn(usize) -> bool, reason: &str) -> RateLimitResponse {
     let statuses = (0..read.of.len())
         .map(|i| DescriptorStatus {
-            code: if i == descriptor { Code::OverLimit } else { Code::Ok } as i32,
+            code: if over(i) { Code::OverLimit } else { Code::Ok } as i32,
             ..Default::default()
         })
         .collect();
@@ -296,29 +296,23 @@ fn refused(read: &Read, descriptor: usize, reason: PolicyRefusal) -> RateLimitRe
         statuses,
         response_headers_to_add: vec![HeaderValue {
             key: REFUSED_HEADER.into(),
-            value: reason.label().into(),
+            value: reason.into(),
             ..Default::default()
         }],
         ..Default::default()
     }
 }
 
-/// A request shed by priority (see [`crate::shed`]): every descriptor
-/// `OVER_LIMIT`, nothing charged, [`REFUSED_HEADER`] `shed`.
+/// Refused by the descriptor that made the request unadmittable: that
+/// descriptor `OVER_LIMIT`, the others `OK`.
+fn refused(read: &Read, descriptor: usize, reason: PolicyRefusal) -> RateLimitResponse {
+    refusal(read, |i| i == descriptor, reason.label())
+}
+
+/// Shed by priority (see [`crate::shed`]): every descriptor `OVER_LIMIT`,
+/// nothing charged, the reason [`SHED_REASON`].
 fn shed(read: &Read) -> RateLimitResponse {
-    let statuses = (0..read.of.len())
-        .map(|_| DescriptorStatus { code: Code::OverLimit as i32, ..Default::default() })
-        .collect();
-    RateLimitResponse {
-        overall_code: Code::OverLimit as i32,
-        statuses,
-        response_headers_to_add: vec![HeaderValue {
-            key: REFUSED_HEADER.into(),
-            value: SHED_REASON.into(),
-            ..Default::default()
-        }],
-        ..Default::default()
-    }
+    refusal(read, |_| true, SHED_REASON)
 }
 
 /// The service (one per agent, sharing its state).
