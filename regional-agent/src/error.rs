@@ -3,8 +3,9 @@
 //! value naming the field, 404 unknown quota, 409 request id mismatch, 429
 //! quota exhausted or per-key limited (the body's `limit` names which:
 //! `per_key` or the resource; `resource` the quota that refused), 503
-//! allocator unreachable, store unavailable or shed (priority shedding). 429 and 503 carry a
-//! `Retry-After` in whole seconds, at least 1, jittered.
+//! allocator unreachable, store unavailable or shed (priority shedding,
+//! see `crate::shed`). 429 and 503 carry a `Retry-After` in whole
+//! seconds, at least 1, jittered.
 
 use axum::http::{HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};

@@ -247,7 +247,7 @@ pub(crate) async fn metrics(State(app): State<StatusView>) -> impl IntoResponse 
 #[utoipa::path(
     get,
     path = "/v1/status",
-    responses((status = 200, description = "{region, agent, epoch, allocator_reachable, allocator_error (why the allocator counts as unreachable, e.g. a TLS failure; null while it answers), redis_error (why the region's Redis cannot be used: refused, timed out, TLS handshake failed; null while it answers), dead_letters (entries in the region's dead-letter list; null when Redis cannot be read), recent_dead_letters (the newest 10: tenant, resource, agent, entry, status, error, message, at), quotas: [{tenant, resource, lease_tokens, expires_in_ms, demand_per_sec, mode, ...}]}")),
+    responses((status = 200, description = "{region, agent, epoch, allocator_reachable, allocator_error (why the allocator counts as unreachable, e.g. a TLS failure; null while it answers), redis_error (why the region's Redis cannot be used: refused, timed out, TLS handshake failed; null while it answers), dead_letters (entries in the region's dead-letter list; null when Redis cannot be read), recent_dead_letters (the newest 10: tenant, resource, agent, entry, status, error, message, at), shed (shedding by priority: in_flight, in_flight_line, store_latency_ms (the fresh average, null when none), store_latency_line_ms, load, shedding: the priorities shed at that load), quotas: [{tenant, resource, lease_tokens, expires_in_ms, demand_per_sec, mode, ...}]}")),
     tag = "agent"
 )]
 pub(crate) async fn status(State(app): State<StatusView>) -> impl IntoResponse {
@@ -294,6 +294,7 @@ pub(crate) async fn status(State(app): State<StatusView>) -> impl IntoResponse {
         "allocator_reachable": reachable,
         "allocator_error": app.alloc.last_error(),
         "redis_error": app.store.last_error(),
+        "shed": app.shed.status(),
         "quotas": quotas,
     }))
 }

@@ -147,6 +147,21 @@ impl Shedder {
     pub fn in_flight(&self) -> usize {
         self.in_flight.load(Ordering::Relaxed)
     }
+
+    /// What `/v1/status` shows: the lines, the signals, the load and the
+    /// priorities it sheds now (a line of 0 is off).
+    pub fn status(&self) -> serde_json::Value {
+        let load = self.load();
+        let shedding: Vec<u8> = (MIN_PRIORITY..=MAX_PRIORITY).filter(|&p| sheds(p, load)).collect();
+        serde_json::json!({
+            "in_flight": self.in_flight(),
+            "in_flight_line": self.in_flight_line,
+            "store_latency_ms": self.fresh_latency_us().map(|us| us as f64 / 1000.0),
+            "store_latency_line_ms": self.latency_line_us as f64 / 1000.0,
+            "load": load,
+            "shedding": shedding,
+        })
+    }
 }
 
 /// A shed request's priority.
@@ -202,6 +217,20 @@ mod tests {
         drop((a, b, c));
         assert_eq!(s.in_flight(), 0);
         assert!(s.enter(4).is_ok());
+    }
+
+    #[test]
+    fn the_status_names_the_lines_the_load_and_what_is_shed() {
+        let s = Shedder::new(2, Duration::from_millis(50));
+        let idle = s.status();
+        assert_eq!(idle["in_flight_line"], 2);
+        assert_eq!(idle["store_latency_line_ms"], 50.0);
+        assert!(idle["store_latency_ms"].is_null());
+        assert_eq!(idle["shedding"], serde_json::json!([]));
+        let (_a, _b, _c) = (s.enter(0).unwrap(), s.enter(0).unwrap(), s.enter(0).unwrap());
+        let busy = s.status();
+        assert_eq!((busy["in_flight"].as_u64(), busy["load"].as_f64()), (Some(3), Some(1.5)));
+        assert_eq!(busy["shedding"], serde_json::json!([2, 3, 4]));
     }
 
     #[test]

@@ -104,6 +104,10 @@ async fn an_overloaded_agent_sheds_priorities_4_to_2_keeps_0_and_1_and_charges_n
         Some(0),
         "nothing in flight after"
     );
+    let status = a.http.get("/v1/status").await.expect(200).body;
+    let shed = &status["shed"];
+    assert_eq!((shed["in_flight_line"].as_i64(), shed["in_flight"].as_i64()), (Some(4), Some(0)), "{status}");
+    assert_eq!(shed["shedding"], json!([]), "nothing is shed once the flood is over: {status}");
 
     // Nothing shed is charged: the allocator's window accounting is the
     // admits and nothing more.
