@@ -106,11 +106,20 @@ impl Shedder {
         self.origin.elapsed().as_millis() as u64 + 1
     }
 
-    /// The latency average if observed within [`LATENCY_FRESH`].
-    fn fresh_latency_us(&self) -> Option<u64> {
+    /// The latency average if observed within [`LATENCY_FRESH`] of `now_ms`.
+    fn latency_at(&self, now_ms: u64) -> Option<u64> {
         let at = self.latency_at_ms.load(Ordering::Relaxed);
-        (at > 0 && self.now_ms().saturating_sub(at) <= LATENCY_FRESH.as_millis() as u64)
+        (at > 0 && now_ms.saturating_sub(at) <= LATENCY_FRESH.as_millis() as u64)
             .then(|| self.latency_us.load(Ordering::Relaxed))
+    }
+
+    /// The latency average if fresh; `None` also while the latency line is
+    /// off (nothing is measured then).
+    fn fresh_latency_us(&self) -> Option<u64> {
+        if self.latency_line_us == 0 {
+            return None;
+        }
+        self.latency_at(self.now_ms())
     }
 
     /// The load now (see [`load`]).
@@ -133,14 +142,19 @@ impl Shedder {
         Ok(InFlight(self))
     }
 
-    /// One spend script's time as a decision waited for it.
+    /// One spend script's time as a decision waited for it; nothing (not
+    /// even a clock read) while the latency line is off, as by default:
+    /// this runs on every decision.
     pub fn observe_store(&self, waited: Duration) {
+        if self.latency_line_us == 0 {
+            return;
+        }
         let us = waited.as_micros().min(u128::from(u64::MAX)) as u64;
+        let now = self.now_ms();
         // A lost update between two observers only skips one sample.
-        let prev =
-            if self.fresh_latency_us().is_some() { self.latency_us.load(Ordering::Relaxed) } else { 0 };
+        let prev = self.latency_at(now).unwrap_or(0);
         self.latency_us.store(ewma_us(prev, us), Ordering::Relaxed);
-        self.latency_at_ms.store(self.now_ms(), Ordering::Relaxed);
+        self.latency_at_ms.store(now, Ordering::Relaxed);
     }
 
     /// Decisions in flight now.
@@ -231,6 +245,16 @@ mod tests {
         let busy = s.status();
         assert_eq!((busy["in_flight"].as_u64(), busy["load"].as_f64()), (Some(3), Some(1.5)));
         assert_eq!(busy["shedding"], serde_json::json!([2, 3, 4]));
+    }
+
+    #[test]
+    fn with_the_latency_line_off_nothing_is_measured() {
+        let s = Shedder::new(2, Duration::ZERO);
+        s.observe_store(Duration::from_secs(1));
+        assert_eq!(s.latency_at_ms.load(Ordering::Relaxed), 0, "no observation kept");
+        assert!(s.status()["store_latency_ms"].is_null());
+        assert_eq!(s.load(), 0.0);
+        assert!(s.enter(4).is_ok());
     }
 
     #[test]
