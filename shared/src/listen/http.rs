@@ -25,6 +25,10 @@ use tokio::task::JoinSet;
 /// The paths a connection of the reserved share is served.
 pub const PROBE_PATHS: [&str; 2] = ["/healthz", "/readyz"];
 
+/// Longest the accept loop waits for evicted connections to close before
+/// it accepts (and then refuses) anyway.
+const EVICTED_CLOSE_WAIT: Duration = Duration::from_millis(500);
+
 /// The boxed error hyper accepts from a body.
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -64,8 +68,14 @@ where
     let mut conns = JoinSet::new();
     tokio::pin!(shutdown);
     loop {
+        // Both steps are cancel-safe: a connection that finished or the
+        // shutdown does not lose an accepted stream.
+        let accept = async {
+            slots.room_to_evict(EVICTED_CLOSE_WAIT).await;
+            listener.accept().await
+        };
         let (tcp, peer) = tokio::select! {
-            accepted = listener.accept() => match accepted {
+            accepted = accept => match accepted {
                 Ok(a) => a,
                 Err(e) => {
                     // Out of file descriptors and the like: back off a

@@ -25,7 +25,9 @@
 //! connections that are served `/healthz` and `/readyz` only (anything else
 //! gets `503 overloaded` with `Connection: close`), one request each, so
 //! the orchestrator can still tell a busy process from a dead one. Past
-//! that share new connections are closed at once. A separate probe listener
+//! that share new connections are closed at once. While many evicted
+//! connections are still closing, the accept loop waits for them instead of
+//! accepting (a flood then waits in the kernel's accept queue). A separate probe listener
 //! would need a second port in every deployment; accepting everything and
 //! sorting afterwards would have no bound at all.
 

@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 use tokio::sync::Notify;
 
 /// Evicted connections whose task has not closed them yet; past this many
-/// new connections are refused, so descriptors stay within the bound plus
-/// this.
+/// the accept loop waits (see [`Slots::room_to_evict`]) and, after that
+/// wait, refuses, so descriptors stay within the bound plus this.
 const CLOSING_MAX: usize = 64;
 
 /// One open connection's state, shared by its task, its I/O and its
@@ -143,6 +143,8 @@ pub struct Slots {
     /// otherwise a full bound refuses.
     evict_idle: bool,
     open: Mutex<Open>,
+    /// An evicted connection was closed (room under [`CLOSING_MAX`]).
+    closed_evicted: Notify,
     metrics: ListenerMetrics,
 }
 
@@ -190,18 +192,47 @@ impl Slots {
             reserve: limits.probe_reserve().min(limits.max_connections - 1),
             evict_idle: true,
             open: Mutex::new(Open::default()),
+            closed_evicted: Notify::new(),
             metrics,
         })
     }
 
     /// A plain bound: at `max` new connections are refused.
     pub fn plain(max: usize, metrics: ListenerMetrics) -> Arc<Slots> {
-        Arc::new(Slots { max, reserve: 0, evict_idle: false, open: Mutex::new(Open::default()), metrics })
+        Arc::new(Slots {
+            max,
+            reserve: 0,
+            evict_idle: false,
+            open: Mutex::new(Open::default()),
+            closed_evicted: Notify::new(),
+            metrics,
+        })
     }
 
     /// The listener's metrics.
     pub fn metrics(&self) -> &ListenerMetrics {
         &self.metrics
+    }
+
+    /// Returns once fewer than [`CLOSING_MAX`] evicted connections are
+    /// still closing, or after `max_wait`. The accept loop calls it before
+    /// accepting: a flood of connections then waits in the kernel's accept
+    /// queue while the evicted ones close, instead of being accepted and
+    /// refused, and so does a probe that arrives in the flood (refused, it
+    /// would count as a failed probe).
+    pub async fn room_to_evict(&self, max_wait: Duration) {
+        let deadline = tokio::time::Instant::now() + max_wait;
+        loop {
+            let closed = self.closed_evicted.notified();
+            tokio::pin!(closed);
+            closed.as_mut().enable();
+            if self.open.lock().unwrap().closing < CLOSING_MAX {
+                return;
+            }
+            if tokio::time::timeout_at(deadline, closed).await.is_err() {
+                return;
+            }
+        }
     }
 
     /// Decides about a new connection.
@@ -266,6 +297,7 @@ impl Slots {
         }
         if c.evicted() {
             o.closing -= 1;
+            self.closed_evicted.notify_waiters();
         } else if c.probes_only {
             o.probes -= 1;
         } else {
@@ -324,6 +356,42 @@ mod tests {
         assert!(matches!(s.admit(), Admit::Serve(_)), "an idle connection should have made room");
         let evicted: Vec<bool> = held.iter().map(|s| s.conn.evicted()).collect();
         assert_eq!(evicted, [true, false, false, false, false, false, false]);
+    }
+
+    #[tokio::test]
+    async fn the_accept_loop_waits_while_too_many_evicted_connections_are_closing() {
+        let s = slots(CLOSING_MAX + 8); // 1 reserved
+        let general = s.max - s.reserve;
+        let mut held: Vec<Slot> = (0..general)
+            .map(|_| match s.admit() {
+                Admit::Serve(slot) => slot,
+                _ => panic!("under the bound"),
+            })
+            .collect();
+        // Every newcomer evicts an idle one; none of the evicted is closed.
+        for _ in 0..CLOSING_MAX {
+            match s.admit() {
+                Admit::Serve(slot) => held.push(slot),
+                _ => panic!("an idle connection should have made room"),
+            }
+        }
+        let waited = tokio::time::Instant::now();
+        s.room_to_evict(Duration::from_millis(50)).await;
+        assert!(waited.elapsed() >= Duration::from_millis(50), "returned while {CLOSING_MAX} are closing");
+        // One evicted connection closes: the wait ends before its limit.
+        let first_evicted = held.iter().position(|h| h.conn.evicted()).expect("an evicted one");
+        let waiter = tokio::spawn({
+            let s = s.clone();
+            async move {
+                let t = tokio::time::Instant::now();
+                s.room_to_evict(Duration::from_secs(10)).await;
+                t.elapsed()
+            }
+        });
+        tokio::task::yield_now().await;
+        drop(held.remove(first_evicted));
+        let took = waiter.await.expect("waiter");
+        assert!(took < Duration::from_secs(5), "{took:?}");
     }
 
     #[test]
