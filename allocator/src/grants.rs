@@ -30,7 +30,7 @@ use axum::Json;
 use chrono::{DateTime, Utc};
 use futures::StreamExt;
 use quota_shared::wire::{
-    ErrorBody, GrantBatchRequest, GrantBatchResponse, GrantItemAnswer, GrantRequest, GrantResponse,
+    ErrorBody, GrantBatchRequest, GrantBatchResponse, GrantItemAnswer, GrantRequest, GrantResponse, OnStale,
     MAX_GRANT_BATCH,
 };
 use serde::Deserialize;
@@ -84,8 +84,8 @@ pub(crate) enum GrantAnswer {
 
 /// The outcome of one grant attempt.
 enum Outcome {
-    Granted(LeaseRow),
-    Replayed(LeaseRow),
+    Granted(LeaseRow, OnStale),
+    Replayed(LeaseRow, OnStale),
 }
 
 /// `POST /v1/grants`: a lease, or a replay of one (I1–I4); or, with
@@ -201,17 +201,17 @@ async fn grant_one(
         // grant statement, after the agent sent the request: the agent's
         // deadline (send instant + expires_in_ms) can only fall before
         // `expires_at` (I2), whatever this replica's clock says.
-        Ok((Outcome::Granted(row), now)) => {
+        Ok((Outcome::Granted(row, on_stale), now)) => {
             state.metrics.inc(
                 "allocator_grants_total",
                 &[("outcome", if row.tokens > 0 { "granted" } else { "empty" })],
             );
             state.metrics.inc_by("allocator_granted_tokens_total", &[], row.tokens as f64);
-            Ok((false, row.to_grant_response(now)))
+            Ok((false, GrantResponse { on_stale, ..row.to_grant_response(now) }))
         }
-        Ok((Outcome::Replayed(row), now)) => {
+        Ok((Outcome::Replayed(row, on_stale), now)) => {
             state.metrics.inc("allocator_grants_total", &[("outcome", "replayed")]);
-            Ok((true, row.to_grant_response(now)))
+            Ok((true, GrantResponse { on_stale, ..row.to_grant_response(now) }))
         }
         Err(e) => {
             state.metrics.inc("allocator_grants_total", &[("outcome", e.code())]);
@@ -271,6 +271,9 @@ struct GrantRow {
     per_key_rate_milli: Option<i64>,
     per_key_burst: Option<i64>,
     enforce: Option<bool>,
+    /// Of the lease's policy version; `None` only if retention removed
+    /// that version (read as `keep`).
+    on_stale: Option<String>,
 }
 
 /// A column `quota_grant` always fills for a lease, missing: a bug.
@@ -351,14 +354,15 @@ async fn try_grant(state: &AppState, req: &GrantRequest) -> Result<(Outcome, Dat
         "granted" | "replayed" => {
             let now = row.now()?;
             let replayed = row.outcome == "replayed";
+            let on_stale = row.on_stale.as_deref().and_then(OnStale::parse).unwrap_or_default();
             let lease = row.lease()?;
             Span::current().record("lease_id", tracing::field::display(lease.lease_id));
             if replayed {
-                return Ok((Outcome::Replayed(lease), now));
+                return Ok((Outcome::Replayed(lease, on_stale), now));
             }
             // Tenant, resource, region, epoch and lease id are the span's.
             tracing::debug!(tokens = lease.tokens, window_start = lease.window_start, "lease granted");
-            Ok((Outcome::Granted(lease), now))
+            Ok((Outcome::Granted(lease, on_stale), now))
         }
         "unknown_agent" => Err(Error::UnknownAgent(who())),
         "stale_epoch" => Err(Error::StaleEpoch {

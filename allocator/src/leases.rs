@@ -96,6 +96,9 @@ impl LeaseRow {
             },
             per_key: PerKey::from_stored(self.per_key_rate_milli, self.per_key_burst),
             enforce: self.enforce,
+            // Not a lease column: the grant answer reads it from the
+            // lease's policy version (see `grants`).
+            on_stale: Default::default(),
             retry_after_ms: self.retry_after_ms,
         }
     }

@@ -6,7 +6,7 @@
 //! `chunk_min = max(1, limit / 100)`, `chunk_max = max(chunk_min, limit / 10)`,
 //! `lease_ttl_secs = min(window_secs, 30)`, `fail_mode = bounded`,
 //! `fallback_per_region = limit / 100` in bounded mode and 0 in strict mode,
-//! no `per_key` bucket, `enforce = true`.
+//! no `per_key` bucket, `enforce = true`, `on_stale = keep`.
 
 use crate::error::{Error, Result};
 use crate::http::auth::Principal;
@@ -17,7 +17,7 @@ use axum::extract::State;
 use axum::http::HeaderMap;
 use axum::{Extension, Json};
 use chrono::{DateTime, Utc};
-use quota_shared::wire::{ErrorBody, FailMode, PerKey, Policy, PolicySpec};
+use quota_shared::wire::{ErrorBody, FailMode, OnStale, PerKey, Policy, PolicySpec};
 use serde::{Deserialize, Serialize};
 use sqlx::{PgConnection, PgPool};
 use utoipa::ToSchema;
@@ -47,6 +47,9 @@ pub struct PolicyVersion {
     pub per_key_burst: Option<i64>,
     /// `false`: this version was in shadow mode.
     pub enforce: bool,
+    /// `keep` or `fail_mode`: what a partitioned agent does once this
+    /// version is older than its maximum policy age.
+    pub on_stale: String,
     /// The token name of the writer: `admin`, or `anonymous/loopback`
     /// when no admin token is configured.
     pub changed_by: String,
@@ -77,6 +80,7 @@ pub struct PolicyRow {
     pub per_key_rate_milli: Option<i64>,
     pub per_key_burst: Option<i64>,
     pub enforce: bool,
+    pub on_stale: String,
     pub version: i64,
     pub updated_at: DateTime<Utc>,
 }
@@ -109,6 +113,7 @@ impl PolicyRow {
             fail_mode: self.fail_mode(),
             per_key: PerKey::from_stored(self.per_key_rate_milli, self.per_key_burst),
             enforce: self.enforce,
+            on_stale: OnStale::parse(&self.on_stale).unwrap_or_default(),
             version: self.version,
             updated_at: self.updated_at,
         }
@@ -129,6 +134,7 @@ pub struct Resolved {
     pub per_key: Option<(i64, i64)>,
     /// `false`: shadow mode.
     pub enforce: bool,
+    pub on_stale: OnStale,
 }
 
 /// Checks a per-key bucket: `0.001 ≤ rate_per_sec ≤ 10⁹` (a whole number of
@@ -198,6 +204,7 @@ pub fn resolve(spec: &PolicySpec) -> Result<Resolved> {
     Ok(Resolved {
         per_key,
         enforce: spec.enforce.unwrap_or(true),
+        on_stale: spec.on_stale.unwrap_or_default(),
         limit,
         window_secs: spec.window_secs,
         chunk_min,
@@ -362,7 +369,8 @@ pub(crate) async fn put_policy(
         who.0,
         r.per_key.map(|p| p.0),
         r.per_key.map(|p| p.1),
-        r.enforce
+        r.enforce,
+        r.on_stale.as_str()
     )
     .fetch_one(&mut *tx)
     .await?;

@@ -176,7 +176,7 @@ fn parse(body: std::result::Result<Bytes, BytesRejection>) -> Result<Acquire> {
         (status = 422, description = "Invalid value; the message names the field (also: key missing for a quota with a per-key limit, cost above its burst, both or neither of resource and resources, a quota named twice)", body = ErrorAnswer),
         (status = 409, description = "request_id_mismatch: the request_id was first used with other resources or costs (tenant-wide, until its window ends)", body = ErrorAnswer),
         (status = 429, description = "quota_exhausted (limit: the resource; only when the allocator said the pool is empty) or per_key_limited (limit: per_key; the key's bucket holds less than the cost, Retry-After from its refill); nothing was debited on any quota; with Retry-After, RateLimit-Policy and RateLimit", body = ErrorAnswer),
-        (status = 503, description = "allocator_unreachable (strict mode), store_unavailable, or shed (this agent is overloaded and sheds the request's priority, 2 to 4, before any work: nothing was charged), with Retry-After", body = ErrorAnswer),
+        (status = 503, description = "allocator_unreachable (strict mode), store_unavailable, shed (this agent is overloaded and sheds the request's priority, 2 to 4, before any work: nothing was charged), or policy_stale (the quota's policy is older than --max-policy-age-secs while the allocator is unreachable, and its on_stale is fail_mode with fail_mode strict), with Retry-After", body = ErrorAnswer),
     ),
     tag = "agent"
 )]

@@ -160,6 +160,13 @@ pub struct Config {
     #[arg(long, env = "AGENT_SHED_STORE_LATENCY_MS", default_value_t = 0)]
     pub shed_store_latency_ms: u64,
 
+    /// Age past which a policy this agent could not refresh (no grant
+    /// answer for the quota while the allocator is unreachable) is stale,
+    /// seconds: the policy's `on_stale` then decides (`keep` enforcing it,
+    /// or `fail_mode`). 0: policies never go stale.
+    #[arg(long, env = "AGENT_MAX_POLICY_AGE_SECS", default_value_t = 3600)]
+    pub max_policy_age_secs: u64,
+
     /// How often the outbox is cut and drained, ms.
     #[arg(long, env = "AGENT_OUTBOX_INTERVAL_MS", default_value_t = 200)]
     pub outbox_interval_ms: u64,
@@ -251,6 +258,8 @@ pub struct Settings {
     pub shed_in_flight: usize,
     /// Spend latency that starts shedding (zero: off).
     pub shed_store_latency: Duration,
+    /// `None`: policies never go stale (`--max-policy-age-secs 0`).
+    pub max_policy_age: Option<Duration>,
     pub outbox_interval: Duration,
     /// `None`: no status is sent (`--status-interval-ms 0`).
     pub status_interval: Option<Duration>,
@@ -328,6 +337,9 @@ fn path(p: &Option<PathBuf>) -> Option<PathBuf> {
 
 /// Largest `--grpc-max-streams-per-connection`.
 const MAX_STREAMS: u32 = 65_536;
+/// Largest `--max-policy-age-secs` (30 days): a larger age is `0`'s
+/// "never" by another name.
+const MAX_POLICY_AGE_SECS: u64 = 30 * 86_400;
 
 impl Config {
     /// Both ports' limits; a value out of range is an error naming its flag.
@@ -438,6 +450,12 @@ impl Config {
         {
             return Err("--rls-resource-key and --rls-key-entry must be two different non-empty keys".into());
         }
+        if self.max_policy_age_secs > MAX_POLICY_AGE_SECS {
+            return Err(format!(
+                "--max-policy-age-secs must be at most {MAX_POLICY_AGE_SECS} (30 days), got {}",
+                self.max_policy_age_secs
+            ));
+        }
         if self.local_fallback_per_agent < 0 {
             return Err("--local-fallback-per-agent must be >= 0".into());
         }
@@ -478,6 +496,8 @@ impl Config {
             acquire_wait: Duration::from_millis(self.acquire_wait_ms),
             shed_in_flight: self.shed_in_flight,
             shed_store_latency: Duration::from_millis(self.shed_store_latency_ms),
+            max_policy_age: (self.max_policy_age_secs > 0)
+                .then(|| Duration::from_secs(self.max_policy_age_secs)),
             outbox_interval: Duration::from_millis(self.outbox_interval_ms.max(10)),
             status_interval: (self.status_interval_ms > 0)
                 .then(|| Duration::from_millis(self.status_interval_ms.max(100))),

@@ -3,8 +3,8 @@
 //! value naming the field, 404 unknown quota, 409 request id mismatch, 429
 //! quota exhausted or per-key limited (the body's `limit` names which:
 //! `per_key` or the resource; `resource` the quota that refused), 503
-//! allocator unreachable, store unavailable or shed (priority shedding,
-//! see `crate::shed`). 429 and 503 carry a `Retry-After` in whole
+//! allocator unreachable, store unavailable, shed (priority shedding,
+//! see `crate::shed`) or policy stale (see `crate::stale`). 429 and 503 carry a `Retry-After` in whole
 //! seconds, at least 1, jittered.
 
 use axum::http::{HeaderValue, StatusCode};
@@ -72,6 +72,11 @@ pub enum Error {
     /// The agent cannot reach the allocator and may not admit on its own.
     #[error("the allocator is unreachable and the quota's fallback allowance does not admit this request")]
     AllocatorUnreachable,
+    /// The quota's policy is older than the agent's maximum policy age
+    /// while the allocator is unreachable, and the policy says to fail as
+    /// its strict fail mode says (see [`crate::stale`]).
+    #[error("the quota's policy could not be refreshed for longer than this agent's maximum policy age ({age_secs} s old) and its on_stale is fail_mode with fail_mode strict")]
+    PolicyStale { age_secs: i64 },
     /// Redis cannot be reached.
     #[error("the region's store is unavailable")]
     StoreUnavailable,
@@ -109,6 +114,7 @@ impl Error {
             Error::RequestIdMismatch(_) => StatusCode::CONFLICT,
             Error::Exhausted { .. } | Error::KeyLimited { .. } => StatusCode::TOO_MANY_REQUESTS,
             Error::AllocatorUnreachable
+            | Error::PolicyStale { .. }
             | Error::StoreUnavailable
             | Error::StoreNotSafe(_)
             | Error::TooManyQuotas
@@ -127,6 +133,7 @@ impl Error {
             Error::Exhausted { .. } => "quota_exhausted",
             Error::KeyLimited { .. } => "per_key_limited",
             Error::AllocatorUnreachable => "allocator_unreachable",
+            Error::PolicyStale { .. } => "policy_stale",
             Error::StoreUnavailable | Error::StoreNotSafe(_) => "store_unavailable",
             Error::TooManyQuotas => "too_many_quotas",
             Error::Shed { .. } => "shed",
@@ -141,6 +148,7 @@ impl Error {
                 Some(retry_after_secs(*retry_after_ms))
             }
             Error::AllocatorUnreachable
+            | Error::PolicyStale { .. }
             | Error::StoreUnavailable
             | Error::StoreNotSafe(_)
             | Error::TooManyQuotas

@@ -116,6 +116,7 @@ mod tests {
             version: 1,
             per_key: None,
             enforce: true,
+            on_stale: Default::default(),
         };
         let now = DateTime::from_timestamp(1_800_000_030, 0).unwrap();
         s.count("atlas/read", Some(p), "quota_exhausted", now);

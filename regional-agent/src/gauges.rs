@@ -85,6 +85,24 @@ pub fn describe(m: &Registry) {
     );
     m.describe("agent_policy_version", "gauge", "The policy version this agent enforces, per quota");
     m.describe(
+        "agent_policy_age_seconds",
+        "gauge",
+        "Seconds since a grant answer last confirmed the quota's policy (this replica's or, through Redis, another's), per quota",
+    );
+    m.describe(
+        "agent_policy_stale",
+        "gauge",
+        "1 while the quota's policy is older than --max-policy-age-secs and the allocator is unreachable (its on_stale applies), else 0",
+    );
+    m.describe(
+        "agent_stale_policy_decisions_total",
+        "counter",
+        "Decisions made on a stale policy, by what its on_stale applied: kept (the last version), enforced (bounded, shadow mode off), refused (strict: 503 policy_stale)",
+    );
+    for applied in ["kept", "enforced", "refused"] {
+        m.inc_by("agent_stale_policy_decisions_total", &[("applied", applied)], 0.0);
+    }
+    m.describe(
         "agent_allocator_clock_offset_seconds",
         "gauge",
         "The allocator's clock minus this host's, read off the last grant answer (windows never use this host's clock; a large offset points at a broken NTP)",
@@ -99,21 +117,31 @@ pub struct Identity<'a> {
     pub agent: &'a str,
 }
 
+/// What the policy ages are measured against.
+pub struct Ages {
+    /// `--max-policy-age-secs` (`None`: never stale).
+    pub max: Option<std::time::Duration>,
+    /// Wall-clock Unix ms now.
+    pub now_ms: i64,
+}
+
 /// Rebuilds the families (called by `GET /metrics`) from the quotas the
-/// agent holds, whether the allocator is `reachable`, and the allocator's
-/// clock `offset` to this host's.
+/// agent holds, whether the allocator is `reachable`, the allocator's
+/// clock `offset` to this host's, and the policies' ages.
 pub fn refresh(
     m: &Registry,
     who: Identity<'_>,
     quotas: &Quotas,
     reachable: bool,
     offset: Option<chrono::Duration>,
+    ages: Ages,
 ) {
     m.set_family(
         "agent_info",
         vec![(vec![("region", who.region.to_string()), ("agent", who.agent.to_string())], 1.0)],
     );
-    let (mut modes, mut versions): (Series, Series) = Default::default();
+    let (mut modes, mut versions, mut age_series, mut stale): (Series, Series, Series, Series) =
+        Default::default();
     for q in quotas.all() {
         let quota = format!("{}/{}", q.tenant, q.resource);
         let policy = q.policy();
@@ -124,12 +152,20 @@ pub fn refresh(
                 f64::from(u8::from(md == now)),
             ));
         }
+        let age_ms = q.confirmed.age_ms(ages.now_ms);
+        if let Some(ms) = age_ms {
+            age_series.push((vec![("quota", quota.clone())], ms as f64 / 1000.0));
+        }
         if let Some(p) = policy {
+            let is_stale = crate::stale::is_stale(age_ms, ages.max, reachable);
+            stale.push((vec![("quota", quota.clone())], f64::from(u8::from(is_stale))));
             versions.push((vec![("quota", quota)], p.version as f64));
         }
     }
     m.set_family("agent_quota_mode", modes);
     m.set_family("agent_policy_version", versions);
+    m.set_family("agent_policy_age_seconds", age_series);
+    m.set_family("agent_policy_stale", stale);
     if let Some(off) = offset {
         m.set("agent_allocator_clock_offset_seconds", &[], off.num_milliseconds() as f64 / 1000.0);
     }
@@ -150,6 +186,7 @@ mod tests {
             version,
             per_key: None,
             enforce: true,
+            on_stale: Default::default(),
         };
         count_decision(&m, "atlas/read", Some(v(3)), "quota_exhausted");
         count_decision(&m, "atlas/read", Some(v(3)), "lease");
@@ -177,6 +214,7 @@ mod tests {
             version: 1,
             per_key: None,
             enforce: true,
+            on_stale: Default::default(),
         };
         let idle = View::default();
         let empty = View { exhausted_ms: 500, ..View::default() };

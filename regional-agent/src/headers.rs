@@ -108,6 +108,7 @@ mod tests {
             version: 1,
             per_key,
             enforce: true,
+            on_stale: Default::default(),
         }
     }
 

@@ -48,6 +48,8 @@ pub struct StatusView {
     pub ident: Arc<Identity>,
     pub metrics: Arc<Registry>,
     pub shed: Arc<crate::shed::Shedder>,
+    /// `--max-policy-age-secs` (`None`: never stale).
+    pub max_policy_age: Option<std::time::Duration>,
 }
 
 impl FromRef<AppState> for StatusView {
@@ -64,6 +66,7 @@ impl FromRef<AppState> for StatusView {
             ident: app.ident.clone(),
             metrics: app.metrics.clone(),
             shed: app.decider.shed.clone(),
+            max_policy_age: app.settings.max_policy_age,
         }
     }
 }
@@ -239,7 +242,8 @@ pub(crate) async fn metrics(State(app): State<StatusView>) -> impl IntoResponse 
     }
     let who = crate::gauges::Identity { region: &app.region, agent: &app.agent };
     let offset = app.alloc_clock.offset();
-    crate::gauges::refresh(&app.metrics, who, &app.quotas, reachable, offset);
+    let ages = crate::gauges::Ages { max: app.max_policy_age, now_ms: crate::stale::now_ms() };
+    crate::gauges::refresh(&app.metrics, who, &app.quotas, reachable, offset, ages);
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], app.metrics.render())
 }
 
@@ -247,11 +251,12 @@ pub(crate) async fn metrics(State(app): State<StatusView>) -> impl IntoResponse 
 #[utoipa::path(
     get,
     path = "/v1/status",
-    responses((status = 200, description = "{region, agent, epoch, allocator_reachable, allocator_error (why the allocator counts as unreachable, e.g. a TLS failure; null while it answers), redis_error (why the region's Redis cannot be used: refused, timed out, TLS handshake failed; null while it answers), dead_letters (entries in the region's dead-letter list; null when Redis cannot be read), recent_dead_letters (the newest 10: tenant, resource, agent, entry, status, error, message, at), shed (shedding by priority: in_flight, in_flight_line, store_latency_ms (the fresh average; null when none, or while --shed-store-latency-ms is off), store_latency_line_ms, load, shedding: the priorities shed at that load), quotas: [{tenant, resource, lease_tokens, expires_in_ms, demand_per_sec, mode, ...}]}")),
+    responses((status = 200, description = "{region, agent, epoch, allocator_reachable, allocator_error (why the allocator counts as unreachable, e.g. a TLS failure; null while it answers), redis_error (why the region's Redis cannot be used: refused, timed out, TLS handshake failed; null while it answers), dead_letters (entries in the region's dead-letter list; null when Redis cannot be read), recent_dead_letters (the newest 10: tenant, resource, agent, entry, status, error, message, at), shed (shedding by priority: in_flight, in_flight_line, store_latency_ms (the fresh average; null when none, or while --shed-store-latency-ms is off), store_latency_line_ms, load, shedding: the priorities shed at that load), max_policy_age_secs (null: policies never go stale), quotas: [{tenant, resource, lease_tokens, expires_in_ms, demand_per_sec, mode, policy {.., on_stale}, policy_age_secs (since a grant answer last confirmed the policy; null when never), policy_stale (older than the maximum age while the allocator is unreachable), ...}]}")),
     tag = "agent"
 )]
 pub(crate) async fn status(State(app): State<StatusView>) -> impl IntoResponse {
     let reachable = app.alloc.breaker.reachable();
+    let now_ms = crate::stale::now_ms();
     let quotas: Vec<_> = app
         .quotas
         .all()
@@ -261,6 +266,7 @@ pub(crate) async fn status(State(app): State<StatusView>) -> impl IntoResponse {
             let p = q.policy();
             let age = v.at.map(|t| t.elapsed().as_millis() as i64).unwrap_or(0);
             let mode = crate::gauges::mode(reachable, p, &v);
+            let policy_age_ms = q.confirmed.age_ms(now_ms);
             json!({
                 "tenant": q.tenant,
                 "resource": q.resource,
@@ -274,7 +280,10 @@ pub(crate) async fn status(State(app): State<StatusView>) -> impl IntoResponse {
                 "policy": p.map(|p| json!({
                     "limit": p.limit, "window_secs": p.window_secs, "fail_mode": p.fail_mode,
                     "fallback_allowance": p.fallback_allowance, "version": p.version,
+                    "on_stale": p.on_stale,
                 })),
+                "policy_age_secs": policy_age_ms.map(|ms| ms / 1000),
+                "policy_stale": crate::stale::is_stale(policy_age_ms, app.max_policy_age, reachable),
             })
         })
         .collect();
@@ -295,6 +304,7 @@ pub(crate) async fn status(State(app): State<StatusView>) -> impl IntoResponse {
         "allocator_error": app.alloc.last_error(),
         "redis_error": app.store.last_error(),
         "shed": app.shed.status(),
+        "max_policy_age_secs": app.max_policy_age.map(|d| d.as_secs()),
         "quotas": quotas,
     }))
 }

@@ -109,6 +109,13 @@
 //!   cache (at most 4,096 names, 5 s each), so a flood of unknown names
 //!   leaves no key, registry entry or task (F14). A quota never seen while
 //!   the allocator is unreachable answers `503 allocator_unreachable`.
+//! * **Maximum policy age** (F24). A grant answer confirms its quota's
+//!   policy; the instant is kept with the policy in Redis. While the
+//!   allocator is unreachable and the policy is older than
+//!   `--max-policy-age-secs` (default 3,600; 0: never), the policy's
+//!   `on_stale` applies: `keep` (default) enforces the last version,
+//!   `fail_mode` refuses with `503 policy_stale` (strict) or enforces the
+//!   version with shadow mode off (bounded). See [`stale`].
 //! * **Per-key limits.** A policy's `per_key` bucket (learnt from grants
 //!   like the rest of the policy) is checked first, in the same run of the
 //!   spend script as the quota: a key short of the cost is `429
@@ -279,6 +286,7 @@ pub mod shadow;
 pub mod shed;
 pub mod spend;
 pub mod spend_run;
+pub mod stale;
 pub mod status_report;
 pub mod step;
 pub mod store;

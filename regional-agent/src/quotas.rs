@@ -18,7 +18,7 @@ use crate::identity::Identity;
 use crate::scripts::{Bucket, LossCause, Outcome, View};
 use crate::store::Store;
 use quota_shared::prom::Registry;
-use quota_shared::wire::{FailMode, GrantRequest, GrantResponse};
+use quota_shared::wire::{FailMode, GrantRequest, GrantResponse, OnStale};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -37,6 +37,10 @@ pub const UNKNOWN_TTL: std::time::Duration = std::time::Duration::from_secs(5);
 /// Most names the negative cache holds.
 pub const MAX_UNKNOWN: usize = 4096;
 
+/// The `pol` hash's field holding when a grant answer last confirmed the
+/// policy (Unix ms, the writer's wall clock).
+const CONFIRMED_FIELD: &str = "confirmed_at_ms";
+
 /// A quota's policy as the grant answers show it.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct PolicyInfo {
@@ -49,6 +53,8 @@ pub struct PolicyInfo {
     pub per_key: Option<Bucket>,
     /// `false`: shadow mode (refuse nobody, count what would be refused).
     pub enforce: bool,
+    /// What a decision does once the policy is stale (see [`Freshness`]).
+    pub on_stale: OnStale,
 }
 
 impl PolicyInfo {
@@ -62,6 +68,7 @@ impl PolicyInfo {
             version: g.policy_version,
             per_key: g.per_key.map(|k| Bucket { rate_milli: k.rate_milli().max(1), burst: k.burst.max(1) }),
             enforce: g.enforce,
+            on_stale: g.on_stale,
         }
     }
 
@@ -77,6 +84,7 @@ impl PolicyInfo {
             ("per_key_rate_milli", self.per_key.map_or(0, |b| b.rate_milli).to_string()),
             ("per_key_burst", self.per_key.map_or(0, |b| b.burst).to_string()),
             ("enforce", if self.enforce { "1" } else { "0" }.to_string()),
+            ("on_stale", self.on_stale.as_str().to_string()),
         ]
     }
 
@@ -98,6 +106,8 @@ impl PolicyInfo {
             },
             // Absent (written before shadow mode): enforced.
             enforce: m.get("enforce").is_none_or(|v| v != "0"),
+            // Absent (written before maximum policy age): keep.
+            on_stale: m.get("on_stale").and_then(|v| OnStale::parse(v)).unwrap_or_default(),
         };
         quota_shared::window::valid_window_secs(p.window_secs).then_some(p)
     }
@@ -164,7 +174,15 @@ pub struct RenewState {
     /// was first sent: the next attempt resends it unchanged, so that a
     /// grant that did commit is replayed (I3) instead of debited twice.
     pub unanswered: Option<(GrantRequest, Instant)>,
+    /// When the renewer last read the policy record other replicas keep in
+    /// Redis (see [`POLICY_REREAD`]).
+    pub policy_read_at: Option<Instant>,
 }
+
+/// How often a quota's renewer reads the region's policy record: a
+/// replica that does not hold the renew lock gets no grant answers, and
+/// learns a new version and the last confirmation from that record.
+pub const POLICY_REREAD: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// One quota.
 pub struct Quota {
@@ -202,6 +220,8 @@ pub struct Quota {
     /// Refusals this replica answers from memory for a while (see
     /// [`crate::negative`]).
     pub negative: crate::negative::Negative,
+    /// When a grant answer last confirmed the policy (see [`crate::stale`]).
+    pub confirmed: crate::stale::Confirmed,
 }
 
 impl Quota {
@@ -255,10 +275,18 @@ impl Quota {
     }
 
     /// Reads the policy other replicas cached in Redis; keeps it unless
-    /// the one known is as new.
+    /// the one known is as new. The record's confirmation instant counts
+    /// too (a record written before maximum policy age has none: it counts
+    /// as confirmed when first read, so an upgrade does not make every
+    /// cached policy stale at once).
     pub async fn load_policy(&self, store: &Store) -> Option<PolicyInfo> {
         let m = crate::commands::policy_read(store, &self.prefix).await.ok()?;
         let p = PolicyInfo::from_fields(&m)?;
+        match m.get(CONFIRMED_FIELD).and_then(|v| v.parse::<i64>().ok()) {
+            Some(at) => self.confirmed.saw(at),
+            None if self.confirmed.at_ms() == 0 => self.confirmed.saw(crate::stale::now_ms()),
+            None => {}
+        }
         let mut cur = self.policy.lock().unwrap();
         if cur.is_none_or(|c| c.version < p.version) {
             *cur = Some(p);
@@ -267,8 +295,12 @@ impl Quota {
     }
 
     /// Keeps the policy a grant answer shows, locally and in Redis for the
-    /// other replicas, and (locally) what it said the pool still holds.
+    /// other replicas (with the instant it was confirmed, rewritten at most
+    /// every [`crate::stale::CONFIRM_WRITE_EVERY_MS`] while unchanged), and
+    /// (locally) what it said the pool still holds.
     pub async fn learn_policy(&self, store: &Store, g: &GrantResponse) {
+        let now_ms = crate::stale::now_ms();
+        self.confirmed.saw(now_ms);
         self.pool_seen.lock().unwrap().saw(g.window_start.timestamp(), g.pool.available);
         let p = PolicyInfo::from_grant(g);
         let changed = {
@@ -279,8 +311,12 @@ impl Quota {
             }
             changed
         };
-        if changed {
-            let _ = crate::commands::policy_write(store, &self.prefix, &p.to_fields()).await;
+        if self.confirmed.due_write(now_ms, changed) {
+            // Unchanged: the confirmation alone, so that a replica holding
+            // an older version in memory never writes it back over a newer one.
+            let mut fields = if changed { p.to_fields() } else { Vec::new() };
+            fields.push((CONFIRMED_FIELD, now_ms.to_string()));
+            let _ = crate::commands::policy_write(store, &self.prefix, &fields).await;
         }
     }
 }
@@ -369,6 +405,7 @@ impl Quotas {
             legacy_done: AtomicBool::new(false),
             pool_seen: Mutex::new(PoolSeen::default()),
             negative: Default::default(),
+            confirmed: Default::default(),
         });
         m.insert((tenant.to_string(), resource.to_string()), q.clone());
         Some((q, true))
@@ -542,6 +579,7 @@ mod tests {
             version: 3,
             per_key: None,
             enforce: true,
+            on_stale: Default::default(),
         };
         let fields = |p: PolicyInfo| -> HashMap<String, String> {
             p.to_fields().into_iter().map(|(k, v)| (k.to_string(), v)).collect()

@@ -199,6 +199,17 @@ async fn renew_once(app: &Renewer, q: &Arc<Quota>) -> Result<(), StoreError> {
     if q.policy().is_none() {
         return learn(app, q).await;
     }
+    let reread = {
+        let mut r = q.renew.lock().unwrap();
+        let due = r.policy_read_at.is_none_or(|t| t.elapsed() >= crate::quotas::POLICY_REREAD);
+        if due {
+            r.policy_read_at = Some(Instant::now());
+        }
+        due
+    };
+    if reread {
+        q.load_policy(&app.store).await;
+    }
     let horizon_ms =
         plan::horizon_ms(app.settings.renew_ahead.as_millis() as f64, q.renew.lock().unwrap().rtt_ms);
     let lasting_ms = match q.policy() {

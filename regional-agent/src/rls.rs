@@ -65,11 +65,14 @@ pub const ECHO_MAX: usize = 128;
 /// Most bytes of an error message (Envoy and gRPC clients carry it in a
 /// header: a 1 MB echo made standard clients fail on the header instead).
 pub const MESSAGE_MAX: usize = 1024;
-/// The header of a policy refusal's reason ([`PolicyRefusal::label`]), or
-/// of a shed request ([`SHED_REASON`]).
+/// The header of a policy refusal's reason ([`PolicyRefusal::label`]), of
+/// a shed request ([`SHED_REASON`]) or of a stale policy's ([`STALE_REASON`]).
 pub const REFUSED_HEADER: &str = "x-quota-refused";
 /// [`REFUSED_HEADER`]'s value for a request shed by priority.
 pub const SHED_REASON: &str = "shed";
+/// [`REFUSED_HEADER`]'s value for a request refused because its quota's
+/// policy is stale and says to fail closed (see [`crate::stale`]).
+pub const STALE_REASON: &str = "policy_stale";
 /// The descriptor entry that gives the request's priority (0 to 4, see
 /// [`crate::shed`]); when descriptors give several, the most important
 /// (lowest) counts.
@@ -362,6 +365,9 @@ impl Rls {
                 // A shed is a refusal, not an error: Envoy lets a request
                 // through on an error when failure_mode_deny is off.
                 Err((Error::Shed { .. }, _)) => return Ok(shed(read)),
+                // A stale policy that says to fail closed refuses, for the
+                // same reason.
+                Err((Error::PolicyStale { .. }, _)) => return Ok(refusal(read, |_| true, STALE_REASON)),
                 Err((e, _)) => return Err(status_of(&e)),
             }
         }
@@ -779,6 +785,7 @@ mod tests {
             version: 1,
             per_key: None,
             enforce: true,
+            on_stale: Default::default(),
         };
         for (w, unit) in [(1, Unit::Second), (60, Unit::Minute), (3600, Unit::Hour), (86_400, Unit::Day)] {
             let l = current_limit("a", "r", p(w));

@@ -19,6 +19,7 @@ use crate::request::{Acquire, Decided, Paid, Refused, ResourceCost, Shadow};
 use crate::request_id;
 use crate::scripts::{Admit, Ask, Common, Outcome, Spend};
 use crate::spend_run;
+use crate::stale::{self, Applied};
 use crate::step::{step, Seen, Step, MAX_TRIES};
 use quota_shared::window::Window;
 use quota_shared::wire::FailMode;
@@ -76,6 +77,26 @@ async fn learn(app: &Arc<Decider>, tenant: &str, resource: &str) -> Result<(Arc<
         return Err(Error::AllocatorUnreachable);
     };
     Ok((q, p))
+}
+
+/// The policy a decision applies: the one learnt, unless it is stale
+/// (see [`crate::stale`]); then its `on_stale` says.
+fn if_stale(app: &Decider, q: &Quota, p: PolicyInfo) -> Result<PolicyInfo> {
+    let max_age = app.settings.max_policy_age;
+    if max_age.is_none() {
+        return Ok(p);
+    }
+    let age_ms = q.confirmed.age_ms(stale::now_ms());
+    let is_stale = stale::is_stale(age_ms, max_age, app.allocator_reachable());
+    let applied = stale::applied(is_stale, p.on_stale, p.fail_mode);
+    if let Some(label) = applied.label() {
+        app.metrics.inc("agent_stale_policy_decisions_total", &[("applied", label)]);
+    }
+    match applied {
+        Applied::Fresh | Applied::Kept => Ok(p),
+        Applied::Enforced => Ok(PolicyInfo { enforce: true, ..p }),
+        Applied::Refused => Err(Error::PolicyStale { age_secs: age_ms.unwrap_or(0) / 1000 }),
+    }
 }
 
 /// The checks of one quota's cost and key against its policy.
@@ -139,6 +160,7 @@ pub(crate) async fn decide(
     let mut qs = Vec::with_capacity(req.wants.len());
     for (i, w) in req.wants.iter().enumerate() {
         let (q, p) = learn(app, &req.tenant, &w.resource).await.map_err(|e| (e, Some(i)))?;
+        let p = if_stale(app, &q, p).map_err(|e| (e, Some(i)))?;
         policies.push(p);
         check(req, w, p).map_err(|e| (e, Some(i)))?;
         qs.push(q);

@@ -40,6 +40,43 @@ impl FailMode {
     }
 }
 
+/// What an agent does with a policy it could not refresh for longer than
+/// its maximum policy age (`--max-policy-age-secs`) because the allocator
+/// is unreachable (F24).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[cfg_attr(feature = "service", derive(utoipa::ToSchema))]
+#[serde(rename_all = "snake_case")]
+pub enum OnStale {
+    /// Keep enforcing the last version learnt (its fallback allowance,
+    /// per-key bucket and shadow mode) however long the partition lasts.
+    #[default]
+    Keep,
+    /// Stop trusting the last version and fail as the policy's `fail_mode`
+    /// says: `strict` answers `503 policy_stale`; `bounded` admits only the
+    /// fallback allowance, enforced even when the version was in shadow
+    /// mode.
+    FailMode,
+}
+
+impl OnStale {
+    /// The name stored in the database and shown on the wire.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OnStale::Keep => "keep",
+            OnStale::FailMode => "fail_mode",
+        }
+    }
+
+    /// Parses the stored name.
+    pub fn parse(s: &str) -> Option<OnStale> {
+        match s {
+            "keep" => Some(OnStale::Keep),
+            "fail_mode" => Some(OnStale::FailMode),
+            _ => None,
+        }
+    }
+}
+
 /// `PUT /v1/policies/{tenant}/{resource}` body. Omitted fields get the
 /// documented defaults (see the allocator's `policies` module).
 #[derive(Debug, Clone, Serialize, Deserialize, Default)]
@@ -75,6 +112,10 @@ pub struct PolicySpec {
     /// `shadow_refused: true` (default `true`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub enforce: Option<bool>,
+    /// What an agent cut off from the allocator for longer than its
+    /// maximum policy age does (default `keep`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub on_stale: Option<OnStale>,
 }
 
 fn yes() -> bool {
@@ -129,6 +170,9 @@ pub struct Policy {
     pub per_key: Option<PerKey>,
     /// `false`: shadow mode (refuses nobody, counts what it would refuse).
     pub enforce: bool,
+    /// What a partitioned agent does once the policy is older than its
+    /// maximum policy age.
+    pub on_stale: OnStale,
     /// Strictly increasing per quota.
     pub version: i64,
     pub updated_at: DateTime<Utc>,
@@ -236,6 +280,10 @@ pub struct GrantResponse {
     /// allocator older than shadow mode omits it: enforced.
     #[serde(default = "yes")]
     pub enforce: bool,
+    /// The policy's stale behaviour (as of `policy_version`). An allocator
+    /// older than it omits it: `keep`, what agents did before.
+    #[serde(default)]
+    pub on_stale: OnStale,
     /// Present when `tokens` is 0: when asking again may help.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub retry_after_ms: Option<i64>,

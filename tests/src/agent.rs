@@ -94,14 +94,20 @@ impl AgentProc {
     /// (for agents that cannot reach their allocator, so never register).
     pub async fn spawn_unregistered(bin: &Path, opts: AgentOpts) -> AgentProc {
         let mut a = AgentProc::new(bin, opts);
-        a.start_process();
-        let http = a.http.clone();
+        a.start_unregistered().await;
+        a
+    }
+
+    /// Starts the process again and waits only until it serves `/healthz`
+    /// (a restart while the allocator cannot be reached).
+    pub async fn start_unregistered(&mut self) {
+        self.start_process();
+        let http = self.http.clone();
         crate::wait::until("agent /healthz", Duration::from_secs(20), || {
             let http = http.clone();
             async move { (http.get_status("/healthz").await == Some(200)).then_some(()) }
         })
         .await;
-        a
     }
 
     /// Starts the process (again) and waits until `/v1/status` shows an epoch.

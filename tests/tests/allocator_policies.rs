@@ -15,11 +15,17 @@ async fn policy_versions_increase_and_get_returns_the_policy_in_force() {
     assert_eq!(p1["lease_ttl_secs"], 30);
     assert_eq!(p1["fallback_per_region"], 10);
     assert_eq!(p1["fail_mode"], "bounded");
-    let p2 =
-        put_policy(&s.http, "atlas", "read", json!({"limit": 500, "window_secs": 60, "fail_mode": "strict"}))
-            .await;
+    assert_eq!(p1["on_stale"], "keep");
+    let p2 = put_policy(
+        &s.http,
+        "atlas",
+        "read",
+        json!({"limit": 500, "window_secs": 60, "fail_mode": "strict", "on_stale": "fail_mode"}),
+    )
+    .await;
     assert_eq!(p2["version"], 2);
     assert_eq!(p2["fallback_per_region"], 0);
+    assert_eq!(p2["on_stale"], "fail_mode");
     let got = s.http.get("/v1/policies/atlas/read").await.expect(200);
     assert_eq!(got.body, p2);
     let r = s.http.get("/v1/policies/atlas/write").await.expect(404);
@@ -61,6 +67,7 @@ async fn invalid_policies_are_422_naming_the_field_and_change_nothing() {
         (json!({"limit": 100, "window_secs": 60, "chunk_max": 101}), "chunk_max"),
         (json!({"limit": 100, "window_secs": 60, "lease_ttl_secs": 0}), "lease_ttl_secs"),
         (json!({"limit": 100, "window_secs": 60, "fail_mode": "lenient"}), "fail_mode"),
+        (json!({"limit": 100, "window_secs": 60, "on_stale": "sometimes"}), "on_stale"),
         (
             json!({"limit": 100, "window_secs": 60, "fail_mode": "strict", "fallback_per_region": 3}),
             "fallback_per_region",

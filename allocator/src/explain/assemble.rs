@@ -378,6 +378,7 @@ mod assemble_tests {
             per_key_rate_milli: None,
             per_key_burst: None,
             enforce: true,
+            on_stale: "keep".into(),
             version: 3,
             updated_at: t(0),
         }
