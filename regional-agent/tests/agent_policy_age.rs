@@ -8,6 +8,11 @@
 mod common;
 
 use common::{acquire, World};
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use quota_tests::agent::{AgentOpts, AgentProc};
 use quota_tests::http::{metric, Http};
 use quota_tests::proxy::{Fault, FaultProxy};
@@ -22,6 +27,23 @@ async fn status_of(http: &Http, resource: &str) -> Value {
         .as_array()
         .and_then(|qs| qs.iter().find(|q| q["resource"] == resource).cloned())
         .unwrap_or(Value::Null)
+}
+
+/// One `ShouldRateLimit` of `resource` (tenant atlas) on the agent's RLS port.
+async fn rls(addr: &str, resource: &str) -> RateLimitResponse {
+    let url = format!("http://{addr}");
+    let mut c = quota_tests::wait::until("the RLS port accepts", Duration::from_secs(20), || {
+        let url = url.clone();
+        async move { RateLimitServiceClient::connect(url).await.ok() }
+    })
+    .await;
+    let entries = vec![Entry { key: "resource".into(), value: resource.into() }];
+    let d = RateLimitDescriptor { entries, ..Default::default() };
+    let req = RateLimitRequest { domain: "atlas".into(), descriptors: vec![d], hits_addend: 1 };
+    c.should_rate_limit(req)
+        .await
+        .expect("a stale policy's refusal is an answer, not a gRPC error")
+        .into_inner()
 }
 
 async fn metrics(http: &Http) -> String {
@@ -55,6 +77,8 @@ async fn a_partition_past_the_max_age_applies_each_policys_on_stale_across_a_res
     let age = MAX_AGE_SECS.to_string();
     let mut opts = AgentOpts::new("eu", "eu-1", &sw.http_url(), w.redis_url());
     opts.env.push(("AGENT_MAX_POLICY_AGE_SECS".into(), age));
+    let grpc = format!("127.0.0.1:{}", quota_tests::free_port());
+    opts.env.push(("AGENT_GRPC_LISTEN".into(), grpc.clone()));
     let mut a = AgentProc::spawn(common::bin(), opts).await;
     // The first grant teaches the policy with one token; demand then
     // brings a lease of the chunk.
@@ -99,6 +123,13 @@ async fn a_partition_past_the_max_age_applies_each_policys_on_stale_across_a_res
     // The age counts from the last grant, before the partition: never
     // before the max age from the cut, and soon after it.
     assert!(after >= Duration::from_secs(MAX_AGE_SECS) - Duration::from_millis(1500), "{after:?}");
+    // Over RLS: a refusal Envoy cannot let through, whatever its
+    // failure_mode_deny.
+    let r = rls(&grpc, "strict-fail").await;
+    assert_eq!(r.overall_code, Code::OverLimit as i32, "{r:?}");
+    let reason =
+        r.response_headers_to_add.iter().find(|h| h.key == "x-quota-refused").map(|h| h.value.clone());
+    assert_eq!(reason.as_deref(), Some("policy_stale"), "{r:?}");
     // Each quota's age counts from its own last grant.
     for r in ["strict-keep", "shadow-fail"] {
         quota_tests::wait::until("stale", Duration::from_secs(10), || {
