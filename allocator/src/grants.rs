@@ -31,7 +31,7 @@ use chrono::{DateTime, Utc};
 use futures::StreamExt;
 use quota_shared::wire::{
     ErrorBody, GrantBatchRequest, GrantBatchResponse, GrantItemAnswer, GrantRequest, GrantResponse, OnStale,
-    MAX_GRANT_BATCH,
+    Reserve, MAX_GRANT_BATCH,
 };
 use serde::Deserialize;
 use std::time::Instant;
@@ -84,8 +84,15 @@ pub(crate) enum GrantAnswer {
 
 /// The outcome of one grant attempt.
 enum Outcome {
-    Granted(LeaseRow, OnStale),
-    Replayed(LeaseRow, OnStale),
+    Granted(LeaseRow, Version),
+    Replayed(LeaseRow, Version),
+}
+
+/// What a grant answer says of its lease's policy version beyond the
+/// lease's own columns.
+struct Version {
+    on_stale: OnStale,
+    reserve: Vec<Reserve>,
 }
 
 /// `POST /v1/grants`: a lease, or a replay of one (I1–I4); or, with
@@ -201,17 +208,23 @@ async fn grant_one(
         // grant statement, after the agent sent the request: the agent's
         // deadline (send instant + expires_in_ms) can only fall before
         // `expires_at` (I2), whatever this replica's clock says.
-        Ok((Outcome::Granted(row, on_stale), now)) => {
+        Ok((Outcome::Granted(row, v), now)) => {
             state.metrics.inc(
                 "allocator_grants_total",
                 &[("outcome", if row.tokens > 0 { "granted" } else { "empty" })],
             );
             state.metrics.inc_by("allocator_granted_tokens_total", &[], row.tokens as f64);
-            Ok((false, GrantResponse { on_stale, ..row.to_grant_response(now) }))
+            Ok((
+                false,
+                GrantResponse { on_stale: v.on_stale, reserve: v.reserve, ..row.to_grant_response(now) },
+            ))
         }
-        Ok((Outcome::Replayed(row, on_stale), now)) => {
+        Ok((Outcome::Replayed(row, v), now)) => {
             state.metrics.inc("allocator_grants_total", &[("outcome", "replayed")]);
-            Ok((true, GrantResponse { on_stale, ..row.to_grant_response(now) }))
+            Ok((
+                true,
+                GrantResponse { on_stale: v.on_stale, reserve: v.reserve, ..row.to_grant_response(now) },
+            ))
         }
         Err(e) => {
             state.metrics.inc("allocator_grants_total", &[("outcome", e.code())]);
@@ -274,6 +287,8 @@ struct GrantRow {
     /// Of the lease's policy version; `None` only if retention removed
     /// that version (read as `keep`).
     on_stale: Option<String>,
+    /// Of the lease's policy version, like `on_stale`.
+    reserve: Option<serde_json::Value>,
 }
 
 /// A column `quota_grant` always fills for a lease, missing: a bug.
@@ -354,15 +369,18 @@ async fn try_grant(state: &AppState, req: &GrantRequest) -> Result<(Outcome, Dat
         "granted" | "replayed" => {
             let now = row.now()?;
             let replayed = row.outcome == "replayed";
-            let on_stale = row.on_stale.as_deref().and_then(OnStale::parse).unwrap_or_default();
+            let v = Version {
+                on_stale: row.on_stale.as_deref().and_then(OnStale::parse).unwrap_or_default(),
+                reserve: row.reserve.clone().and_then(|r| serde_json::from_value(r).ok()).unwrap_or_default(),
+            };
             let lease = row.lease()?;
             Span::current().record("lease_id", tracing::field::display(lease.lease_id));
             if replayed {
-                return Ok((Outcome::Replayed(lease, on_stale), now));
+                return Ok((Outcome::Replayed(lease, v), now));
             }
             // Tenant, resource, region, epoch and lease id are the span's.
             tracing::debug!(tokens = lease.tokens, window_start = lease.window_start, "lease granted");
-            Ok((Outcome::Granted(lease, on_stale), now))
+            Ok((Outcome::Granted(lease, v), now))
         }
         "unknown_agent" => Err(Error::UnknownAgent(who())),
         "stale_epoch" => Err(Error::StaleEpoch {

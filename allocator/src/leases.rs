@@ -99,6 +99,7 @@ impl LeaseRow {
             // Not a lease column: the grant answer reads it from the
             // lease's policy version (see `grants`).
             on_stale: Default::default(),
+            reserve: Vec::new(),
             retry_after_ms: self.retry_after_ms,
         }
     }

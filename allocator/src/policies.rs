@@ -6,7 +6,7 @@
 //! `chunk_min = max(1, limit / 100)`, `chunk_max = max(chunk_min, limit / 10)`,
 //! `lease_ttl_secs = min(window_secs, 30)`, `fail_mode = bounded`,
 //! `fallback_per_region = limit / 100` in bounded mode and 0 in strict mode,
-//! no `per_key` bucket, `enforce = true`, `on_stale = keep`.
+//! no `per_key` bucket, `enforce = true`, `on_stale = keep`, no `reserve`.
 
 use crate::error::{Error, Result};
 use crate::http::auth::Principal;
@@ -17,7 +17,7 @@ use axum::extract::State;
 use axum::http::HeaderMap;
 use axum::{Extension, Json};
 use chrono::{DateTime, Utc};
-use quota_shared::wire::{ErrorBody, FailMode, OnStale, PerKey, Policy, PolicySpec};
+use quota_shared::wire::{ErrorBody, FailMode, OnStale, PerKey, Policy, PolicySpec, Reserve};
 use serde::{Deserialize, Serialize};
 use sqlx::{PgConnection, PgPool};
 use utoipa::ToSchema;
@@ -50,6 +50,9 @@ pub struct PolicyVersion {
     /// `keep` or `fail_mode`: what a partitioned agent does once this
     /// version is older than its maximum policy age.
     pub on_stale: String,
+    /// This version's reserves (`[{up_to_priority, pct}]`).
+    #[schema(value_type = Vec<Reserve>)]
+    pub reserve: serde_json::Value,
     /// The token name of the writer: `admin`, or `anonymous/loopback`
     /// when no admin token is configured.
     pub changed_by: String,
@@ -81,6 +84,8 @@ pub struct PolicyRow {
     pub per_key_burst: Option<i64>,
     pub enforce: bool,
     pub on_stale: String,
+    /// `[{up_to_priority, pct}]`, validated when written.
+    pub reserve: serde_json::Value,
     pub version: i64,
     pub updated_at: DateTime<Utc>,
 }
@@ -99,6 +104,11 @@ impl PolicyRow {
         }
     }
 
+    /// The reserves (written validated; a row that does not parse has none).
+    pub fn reserve(&self) -> Vec<Reserve> {
+        serde_json::from_value(self.reserve.clone()).unwrap_or_default()
+    }
+
     /// Wire form.
     pub fn to_wire(&self) -> Policy {
         Policy {
@@ -114,6 +124,7 @@ impl PolicyRow {
             per_key: PerKey::from_stored(self.per_key_rate_milli, self.per_key_burst),
             enforce: self.enforce,
             on_stale: OnStale::parse(&self.on_stale).unwrap_or_default(),
+            reserve: self.reserve(),
             version: self.version,
             updated_at: self.updated_at,
         }
@@ -135,6 +146,7 @@ pub struct Resolved {
     /// `false`: shadow mode.
     pub enforce: bool,
     pub on_stale: OnStale,
+    pub reserve: Vec<Reserve>,
 }
 
 /// Checks a per-key bucket: `0.001 ≤ rate_per_sec ≤ 10⁹` (a whole number of
@@ -154,6 +166,47 @@ pub fn resolve_per_key(p: &PerKey) -> Result<(i64, i64)> {
         ));
     }
     Ok((p.rate_milli().max(1), p.burst))
+}
+
+/// Checks the reserves: at most 4, `up_to_priority` 0 to 3 and each once,
+/// `pct` 1 to 100, summing to at most 100.
+pub fn resolve_reserve(reserve: &[Reserve]) -> Result<Vec<Reserve>> {
+    if reserve.len() > 4 {
+        return Err(Error::invalid(
+            "reserve",
+            format!("at most 4 entries (one per up_to_priority), got {}", reserve.len()),
+        ));
+    }
+    for (i, r) in reserve.iter().enumerate() {
+        if r.up_to_priority > 3 {
+            return Err(Error::invalid(
+                format!("reserve[{i}].up_to_priority"),
+                format!(
+                    "must be between 0 and 3 (a reserve for priority 4 would hold back nothing), got {}",
+                    r.up_to_priority
+                ),
+            ));
+        }
+        if !(1..=100).contains(&r.pct) {
+            return Err(Error::invalid(
+                format!("reserve[{i}].pct"),
+                format!("must be between 1 and 100, got {}", r.pct),
+            ));
+        }
+        if reserve[..i].iter().any(|o| o.up_to_priority == r.up_to_priority) {
+            return Err(Error::invalid(
+                format!("reserve[{i}].up_to_priority"),
+                format!("{} is listed twice", r.up_to_priority),
+            ));
+        }
+    }
+    let total: i64 = reserve.iter().map(|r| r.pct).sum();
+    if total > 100 {
+        return Err(Error::invalid("reserve", format!("the shares sum to {total} %, above 100")));
+    }
+    let mut sorted = reserve.to_vec();
+    sorted.sort_by_key(|r| r.up_to_priority);
+    Ok(sorted)
 }
 
 /// Fills defaults and validates: `window_secs` divides 86,400,
@@ -205,6 +258,7 @@ pub fn resolve(spec: &PolicySpec) -> Result<Resolved> {
         per_key,
         enforce: spec.enforce.unwrap_or(true),
         on_stale: spec.on_stale.unwrap_or_default(),
+        reserve: resolve_reserve(spec.reserve.as_deref().unwrap_or_default())?,
         limit,
         window_secs: spec.window_secs,
         chunk_min,
@@ -370,7 +424,8 @@ pub(crate) async fn put_policy(
         r.per_key.map(|p| p.0),
         r.per_key.map(|p| p.1),
         r.enforce,
-        r.on_stale.as_str()
+        r.on_stale.as_str(),
+        serde_json::to_value(&r.reserve).map_err(|e| Error::Internal(Box::new(e)))?
     )
     .fetch_one(&mut *tx)
     .await?;
@@ -420,6 +475,19 @@ mod tests {
         PolicySpec { per_key: Some(PerKey { rate_per_sec, burst }), ..s }
     }
 
+    fn rs(s: PolicySpec, entries: &[(u8, i64)]) -> PolicySpec {
+        let reserve = entries.iter().map(|&(up_to_priority, pct)| Reserve { up_to_priority, pct }).collect();
+        PolicySpec { reserve: Some(reserve), ..s }
+    }
+
+    #[test]
+    fn reserves_are_kept_sorted_by_priority() {
+        assert_eq!(resolve(&spec(100, 60)).unwrap().reserve, []);
+        let r = resolve(&rs(spec(100, 60), &[(1, 10), (0, 5)])).unwrap().reserve;
+        assert_eq!(r, [Reserve { up_to_priority: 0, pct: 5 }, Reserve { up_to_priority: 1, pct: 10 }]);
+        assert_eq!(resolve(&rs(spec(100, 60), &[(0, 100)])).unwrap().reserve.len(), 1);
+    }
+
     #[test]
     fn a_per_key_bucket_is_kept_in_whole_milli_tokens() {
         assert_eq!(resolve(&spec(100, 60)).unwrap().per_key, None);
@@ -467,6 +535,12 @@ mod tests {
             (pk(spec(100, 60), 2e9, 5), "per_key.rate_per_sec"),
             (pk(spec(100, 60), 1.0, 0), "per_key.burst"),
             (pk(spec(100, 60), 1.0, PerKey::MAX + 1), "per_key.burst"),
+            (rs(spec(100, 60), &[(4, 10)]), "reserve[0].up_to_priority"),
+            (rs(spec(100, 60), &[(1, 0)]), "reserve[0].pct"),
+            (rs(spec(100, 60), &[(1, 101)]), "reserve[0].pct"),
+            (rs(spec(100, 60), &[(1, 10), (1, 5)]), "reserve[1].up_to_priority"),
+            (rs(spec(100, 60), &[(0, 60), (1, 50)]), "reserve"),
+            (rs(spec(100, 60), &[(0, 1), (1, 1), (2, 1), (3, 1), (0, 1)]), "reserve"),
         ];
         for (s, field) in cases {
             match resolve(&s) {

@@ -9,7 +9,9 @@
 -- ARGV[8]  remaining life (ms, from the send instant, I2); ARGV[9] ms until
 --          the lease's window opens (0 for the current window); ARGV[10]
 --          book ttl (ms); ARGV[11] the allocator's clock now (Unix ms:
---          the answer's own instant plus the time since it arrived)
+--          the answer's own instant plus the time since it arrived);
+--          ARGV[12] what the pool of the lease's window holds unleased
+--          after this grant (the answer's pool.available)
 --
 -- Returns {'ok'} | {'dup'} | {'expired'} | {'stale', fence} | {'lost', token}
 --
@@ -25,6 +27,14 @@ if epoch < fence then return {'stale', tostring(fence)} end
 local t = redis.call('TIME')
 local server_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 redis.call('SET', P .. 'clk', string.format('%d', tonumber(ARGV[11]) - server_ms), 'PX', tonumber(ARGV[10]))
+-- What the window's pool still holds, for reserves (spend.lua): the least
+-- any answer said, in the same step as the balance it moved from the pool
+-- (answers of two replicas may arrive out of order; a release that refills
+-- the pool is seen at the next window).
+local rk = P .. 'room:' .. ARGV[7]
+local room = tonumber(redis.call('GET', rk) or ARGV[12])
+if tonumber(ARGV[12]) < room then room = tonumber(ARGV[12]) end
+redis.call('SET', rk, string.format('%d', room), 'PX', tonumber(ARGV[10]))
 local id = ARGV[5]
 local lk = P .. 'l:' .. id
 if redis.call('EXISTS', lk) == 1 then return {'dup'} end

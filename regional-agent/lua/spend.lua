@@ -22,14 +22,19 @@
 --   allowance, under keys of another slot, frozen since none is alive
 --   (the legacy gate covers the time one is); added to this layout's in
 --   that window, and no fallback in another window (a clock at a boundary)
--- then 3 + m arguments per request:
+-- then 3 + 2m arguments per request:
 --   request id key suffix ('' when the request carries none); '1' when the
 --   request counts toward demand (a request that waits for a renewal and
 --   tries again is one request of demand, not several: counted twice, a
 --   slow region's demand estimate jumps at every window boundary and its
 --   leases strand tokens); the per-key bucket's key suffix from keys.rs
 --   ('' when the request names no key); its cost on each quota (tokens,
---   0 when it does not spend that quota)
+--   0 when it does not spend that quota); then on each quota the tokens it
+--   may not take: the reserves kept for priorities more important than the
+--   request's (0: none). A lease pays such a request only while the
+--   region's balance plus what the window's pool still holds
+--   (P..'room:'..ws, the least a grant answer said, credit.lua) keeps them
+--   after its cost; the fallback allowance is not reserved.
 --
 -- Per-key buckets (P..'k:'..suffix, a hash {t, at}) hold integer
 -- micro-tokens (a rate of r milli-tokens/s adds exactly r micro-tokens per
@@ -53,6 +58,10 @@
 --       quota i had no token for it (the first that refused)
 --   {'key', i, retry_ms, key_left}  the key's bucket of quota i is short
 --                                   by the cost: retry_ms until it refills
+--   {'reserve', i, available, room} quota i keeps what is left for more
+--                                   important priorities; its demand is
+--                                   not counted (it would fetch leases
+--                                   only the reserve's priorities may use)
 --
 -- Why one script: expiry, epoch fence, balance check, debit, demand count,
 -- consumption counter and request-id record must happen as one step across
@@ -92,7 +101,7 @@ for _, q in ipairs(Q) do
   -- first) and written once at the end.
   q.first, q.took = 1, {}
   for i = 1, #q.cand do q.took[i] = 0 end
-  q.demand, q.consumed, q.fb_used, q.fb_taken, q.exh = 0, 0, false, 0, false
+  q.demand, q.consumed, q.fb_used, q.fb_taken, q.exh, q.room = 0, 0, false, 0, false, false
   -- The fallback window, the time to its end and whether the legacy gate
   -- lets it be used, read once when needed.
   q.fws, q.fb_end, q.fb_open = false, 0, false
@@ -131,6 +140,12 @@ end
 local function whole(b)
   if not b then return -1 end
   return math.floor(b.t / MICRO)
+end
+
+-- What the pool of q's lease window still holds unleased, read once.
+local function room(q)
+  if not q.room then q.room = tonumber(redis.call('GET', q.P .. 'room:' .. q.ws) or '0') end
+  return q.room
 end
 
 -- How quota q can pay `cost` now: 'lease', 'fallback' or false.
@@ -176,11 +191,12 @@ end
 
 local out = {'ok', tokens}
 local first_ask = 7 + 10 * m
-for at = first_ask, #ARGV - (2 + m), 3 + m do
+for at = first_ask, #ARGV - (2 + 2 * m), 3 + 2 * m do
   local rid, counts, key = ARGV[at], ARGV[at + 1] == '1', ARGV[at + 2]
-  local costs, named = {}, {}
+  local costs, held, named = {}, {}, {}
   for i = 1, m do
     costs[i] = tonumber(ARGV[at + 2 + i])
+    held[i] = tonumber(ARGV[at + 2 + m + i])
     if costs[i] > 0 then named[#named + 1] = i end
   end
   -- A request id's record is written in every quota it names, in the
@@ -218,7 +234,13 @@ for at = first_ask, #ARGV - (2 + m), 3 + m do
         if not how[i] and not refused then
           if not q.exh then q.exh = tonumber(redis.call('GET', q.P .. 'exh') or '-1') end
           refused = {'none', i, q.wait, q.exh, q.avail}
+        elseif how[i] == 'lease' and held[i] > 0 and not refused
+            and q.avail + room(q) - costs[i] < held[i] then
+          refused = {'reserve', i, q.avail, room(q)}
         end
+      end
+      if refused and refused[1] == 'reserve' and counts then
+        for _, i in ipairs(named) do Q[i].demand = Q[i].demand - costs[i] end
       end
       if not refused then
         local parts = {}

@@ -122,6 +122,14 @@ pub async fn policy_write(store: &Store, quota_prefix: &str, fields: &[(&str, St
     store.cmd(&cmd).await
 }
 
+/// Records that the pool of the window starting at `ws` holds nothing
+/// unleased (a grant answered 0 tokens); the least value is 0, so a plain
+/// `SET` keeps credit.lua's "least any answer said".
+#[tracing::instrument(level = "debug", name = "redis.pool_room_empty", skip_all)]
+pub async fn pool_room_empty(store: &Store, quota_prefix: &str, ws: i64, ttl_ms: i64) -> Result<()> {
+    store.cmd(redis::cmd("SET").arg(Keys::pool_room(quota_prefix, ws)).arg(0).arg("PX").arg(ttl_ms)).await
+}
+
 /// Takes the quota's renew lock for `holder` unless another holds it.
 #[tracing::instrument(level = "debug", name = "redis.renew_lock", skip_all)]
 pub async fn take_renew_lock(store: &Store, quota_prefix: &str, holder: &str, ttl_ms: u64) -> Result<bool> {

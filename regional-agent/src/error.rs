@@ -2,7 +2,8 @@
 //! headers (DESIGN §5): 400 malformed JSON, 413 body too large, 422 invalid
 //! value naming the field, 404 unknown quota, 409 request id mismatch, 429
 //! quota exhausted or per-key limited (the body's `limit` names which:
-//! `per_key` or the resource; `resource` the quota that refused), 503
+//! `per_key`, `reserve` or the resource; `resource` the quota that
+//! refused), 503
 //! allocator unreachable, store unavailable, shed (priority shedding,
 //! see `crate::shed`) or policy stale (see `crate::stale`). 429 and 503 carry a `Retry-After` in whole
 //! seconds, at least 1, jittered.
@@ -69,6 +70,10 @@ pub enum Error {
     /// (The key is not repeated: it may be an API key.)
     #[error("the request's key is over the per-key limit of quota {resource}")]
     KeyLimited { resource: String, retry_after_ms: i64, remaining: i64 },
+    /// What is left of quota `resource`'s window is kept for priorities
+    /// more important than the request's (the policy's `reserve`).
+    #[error("what is left of quota {resource} for this window is reserved for more important priorities")]
+    Reserved { resource: String, retry_after_ms: i64 },
     /// The agent cannot reach the allocator and may not admit on its own.
     #[error("the allocator is unreachable and the quota's fallback allowance does not admit this request")]
     AllocatorUnreachable,
@@ -112,7 +117,9 @@ impl Error {
             Error::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Error::UnknownQuota(_) | Error::NoRoute(_) => StatusCode::NOT_FOUND,
             Error::RequestIdMismatch(_) => StatusCode::CONFLICT,
-            Error::Exhausted { .. } | Error::KeyLimited { .. } => StatusCode::TOO_MANY_REQUESTS,
+            Error::Exhausted { .. } | Error::KeyLimited { .. } | Error::Reserved { .. } => {
+                StatusCode::TOO_MANY_REQUESTS
+            }
             Error::AllocatorUnreachable
             | Error::PolicyStale { .. }
             | Error::StoreUnavailable
@@ -130,7 +137,7 @@ impl Error {
             Error::PayloadTooLarge => "payload_too_large",
             Error::UnknownQuota(_) => "unknown_quota",
             Error::RequestIdMismatch(_) => "request_id_mismatch",
-            Error::Exhausted { .. } => "quota_exhausted",
+            Error::Exhausted { .. } | Error::Reserved { .. } => "quota_exhausted",
             Error::KeyLimited { .. } => "per_key_limited",
             Error::AllocatorUnreachable => "allocator_unreachable",
             Error::PolicyStale { .. } => "policy_stale",
@@ -144,9 +151,9 @@ impl Error {
     /// `Retry-After` seconds for 429 and 503.
     pub fn retry_after_s(&self) -> Option<i64> {
         match self {
-            Error::Exhausted { retry_after_ms, .. } | Error::KeyLimited { retry_after_ms, .. } => {
-                Some(retry_after_secs(*retry_after_ms))
-            }
+            Error::Exhausted { retry_after_ms, .. }
+            | Error::KeyLimited { retry_after_ms, .. }
+            | Error::Reserved { retry_after_ms, .. } => Some(retry_after_secs(*retry_after_ms)),
             Error::AllocatorUnreachable
             | Error::PolicyStale { .. }
             | Error::StoreUnavailable
@@ -182,7 +189,8 @@ pub struct ErrorAnswer {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resource: Option<String>,
     /// What refused (429): the resource's name for its pool, `per_key`
-    /// for the key's bucket.
+    /// for the key's bucket, `reserve` for a share kept for more important
+    /// priorities.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub limit: Option<String>,
     /// Seconds until a retry may succeed (429), as in `Retry-After`.
@@ -197,6 +205,7 @@ impl IntoResponse for Error {
         let (limit, resource) = match &self {
             Error::Exhausted { resource, .. } => (Some(resource.clone()), Some(resource.clone())),
             Error::KeyLimited { resource, .. } => (Some("per_key".to_string()), Some(resource.clone())),
+            Error::Reserved { resource, .. } => (Some("reserve".to_string()), Some(resource.clone())),
             _ => (None, None),
         };
         let field = match &self {

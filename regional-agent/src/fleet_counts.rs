@@ -117,6 +117,7 @@ mod tests {
             per_key: None,
             enforce: true,
             on_stale: Default::default(),
+            held: [0; 5],
         };
         let now = DateTime::from_timestamp(1_800_000_030, 0).unwrap();
         s.count("atlas/read", Some(p), "quota_exhausted", now);

@@ -187,6 +187,7 @@ mod tests {
             per_key: None,
             enforce: true,
             on_stale: Default::default(),
+            held: [0; 5],
         };
         count_decision(&m, "atlas/read", Some(v(3)), "quota_exhausted");
         count_decision(&m, "atlas/read", Some(v(3)), "lease");
@@ -215,6 +216,7 @@ mod tests {
             per_key: None,
             enforce: true,
             on_stale: Default::default(),
+            held: [0; 5],
         };
         let idle = View::default();
         let empty = View { exhausted_ms: 500, ..View::default() };

@@ -109,6 +109,7 @@ mod tests {
             per_key,
             enforce: true,
             on_stale: Default::default(),
+            held: [0; 5],
         }
     }
 

@@ -198,6 +198,14 @@ pub fn describe(m: &Registry) {
     for p in ["2", "3", "4"] {
         m.inc_by("agent_shed_total", &[("priority", p)], 0.0);
     }
+    m.describe(
+        "agent_reserve_refusals_total",
+        "counter",
+        "Requests answered 429 quota_exhausted with limit reserve (what was left of the window is kept for more important priorities), by priority",
+    );
+    for p in ["1", "2", "3", "4"] {
+        m.inc_by("agent_reserve_refusals_total", &[("priority", p)], 0.0);
+    }
 }
 
 /// `GET /readyz`: Redis answers and runs with `maxmemory-policy noeviction`.

@@ -65,6 +65,9 @@ pub mod suffix {
     pub const SHADOW: &str = "shr:";
     /// The Redis server's run id the state was written on (rollback check).
     pub const SERVER: &str = "srv";
+    /// Unleased tokens of a window's pool, the least a grant answer said
+    /// (`room:<window start>`; for reserves).
+    pub const POOL_ROOM: &str = "room:";
 
     /// Every suffix the scripts append (all but the Rust-only ones).
     pub const IN_SCRIPTS: &[&str] = &[
@@ -86,6 +89,7 @@ pub mod suffix {
         REQUEST_ID,
         SHADOW,
         SERVER,
+        POOL_ROOM,
     ];
 }
 
@@ -235,6 +239,12 @@ impl Keys {
     /// A quota's "the allocator said the pool is empty" mark.
     pub fn exhausted(quota_prefix: &str) -> String {
         format!("{quota_prefix}{}", suffix::EXHAUSTED)
+    }
+
+    /// What a quota's pool of the window starting at `ws` still held
+    /// unleased, the least a grant answer said.
+    pub fn pool_room(quota_prefix: &str, ws: i64) -> String {
+        format!("{quota_prefix}{}{ws}", suffix::POOL_ROOM)
     }
 
     /// A quota's set of windows with counts not yet cut into an outbox.

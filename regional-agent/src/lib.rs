@@ -109,6 +109,13 @@
 //!   cache (at most 4,096 names, 5 s each), so a flood of unknown names
 //!   leaves no key, registry entry or task (F14). A quota never seen while
 //!   the allocator is unreachable answers `503 allocator_unreachable`.
+//! * **Priority reserves.** A policy's `reserve` keeps shares of each
+//!   window for the important priorities: the spend script refuses a
+//!   request of a less important priority (`429`, `limit: "reserve"`) once
+//!   the region's balance plus what the window's pool still holds (the
+//!   least a grant answer said, kept by `credit.lua`) would fall below the
+//!   shares it may not take; its demand is not counted. The fallback
+//!   allowance is not reserved.
 //! * **Maximum policy age** (F24). A grant answer confirms its quota's
 //!   policy; the instant is kept with the policy in Redis. While the
 //!   allocator is unreachable and the policy is older than

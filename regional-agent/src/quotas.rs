@@ -18,7 +18,7 @@ use crate::identity::Identity;
 use crate::scripts::{Bucket, LossCause, Outcome, View};
 use crate::store::Store;
 use quota_shared::prom::Registry;
-use quota_shared::wire::{FailMode, GrantRequest, GrantResponse, OnStale};
+use quota_shared::wire::{FailMode, GrantRequest, GrantResponse, OnStale, Reserve};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -37,6 +37,18 @@ pub const UNKNOWN_TTL: std::time::Duration = std::time::Duration::from_secs(5);
 /// Most names the negative cache holds.
 pub const MAX_UNKNOWN: usize = 4096;
 
+/// [`PolicyInfo::held`] of a policy of `limit` with `reserves`.
+pub fn held_by_priority(limit: i64, reserves: &[Reserve]) -> [i64; 5] {
+    [0u8, 1, 2, 3, 4].map(|p| Reserve::held(limit, reserves, p))
+}
+
+/// The `held` field of the `pol` hash: five comma-separated counts.
+fn parse_held(v: &str) -> Option<[i64; 5]> {
+    let parts: Vec<i64> =
+        v.split(',').map(|p| p.parse::<i64>().ok().filter(|n| *n >= 0)).collect::<Option<_>>()?;
+    parts.try_into().ok()
+}
+
 /// The `pol` hash's field holding when a grant answer last confirmed the
 /// policy (Unix ms, the writer's wall clock).
 const CONFIRMED_FIELD: &str = "confirmed_at_ms";
@@ -53,8 +65,12 @@ pub struct PolicyInfo {
     pub per_key: Option<Bucket>,
     /// `false`: shadow mode (refuse nobody, count what would be refused).
     pub enforce: bool,
-    /// What a decision does once the policy is stale (see [`Freshness`]).
+    /// What a decision does once the policy is stale (see [`crate::stale`]).
     pub on_stale: OnStale,
+    /// Tokens of the window a request of each priority (0 to 4) may not
+    /// take: the reserves kept for more important priorities
+    /// ([`Reserve::held`]); all 0 without reserves.
+    pub held: [i64; 5],
 }
 
 impl PolicyInfo {
@@ -69,6 +85,7 @@ impl PolicyInfo {
             per_key: g.per_key.map(|k| Bucket { rate_milli: k.rate_milli().max(1), burst: k.burst.max(1) }),
             enforce: g.enforce,
             on_stale: g.on_stale,
+            held: held_by_priority(g.pool.limit, &g.reserve),
         }
     }
 
@@ -85,6 +102,7 @@ impl PolicyInfo {
             ("per_key_burst", self.per_key.map_or(0, |b| b.burst).to_string()),
             ("enforce", if self.enforce { "1" } else { "0" }.to_string()),
             ("on_stale", self.on_stale.as_str().to_string()),
+            ("held", self.held.map(|h| h.to_string()).join(",")),
         ]
     }
 
@@ -108,6 +126,8 @@ impl PolicyInfo {
             enforce: m.get("enforce").is_none_or(|v| v != "0"),
             // Absent (written before maximum policy age): keep.
             on_stale: m.get("on_stale").and_then(|v| OnStale::parse(v)).unwrap_or_default(),
+            // Absent (written before reserves): none.
+            held: m.get("held").and_then(|v| parse_held(v)).unwrap_or_default(),
         };
         quota_shared::window::valid_window_secs(p.window_secs).then_some(p)
     }
@@ -580,6 +600,7 @@ mod tests {
             per_key: None,
             enforce: true,
             on_stale: Default::default(),
+            held: [0; 5],
         };
         let fields = |p: PolicyInfo| -> HashMap<String, String> {
             p.to_fields().into_iter().map(|(k, v)| (k.to_string(), v)).collect()
@@ -595,5 +616,17 @@ mod tests {
         assert_eq!(PolicyInfo::from_fields(&old), Some(p));
         let shadow = PolicyInfo { enforce: false, ..p };
         assert_eq!(PolicyInfo::from_fields(&fields(shadow)), Some(shadow));
+        let reserved = PolicyInfo {
+            held: held_by_priority(10, &[Reserve { up_to_priority: 1, pct: 20 }]),
+            on_stale: OnStale::FailMode,
+            ..p
+        };
+        assert_eq!(reserved.held, [0, 0, 2, 2, 2]);
+        assert_eq!(PolicyInfo::from_fields(&fields(reserved)), Some(reserved));
+        // A field that does not read holds nothing back (and written before
+        // reserves, none is there).
+        let mut bad = fields(reserved);
+        bad.insert("held".into(), "1,2,x".into());
+        assert_eq!(PolicyInfo::from_fields(&bad).map(|p| p.held), Some([0; 5]));
     }
 }

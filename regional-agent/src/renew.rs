@@ -454,6 +454,11 @@ async fn credit(
             let retry = g.retry_after_ms.unwrap_or(1000).max(1);
             let ttl = retry.min(1000);
             let _ = commands::mark_exhausted(&app.store, &q.prefix, retry, ttl).await;
+            // Nothing left unleased: a reserve is then all in the regions'
+            // balances (see lua/spend.lua).
+            let ws = g.window_start.timestamp();
+            let ttl = (g.window_end - g.window_start).num_milliseconds() + crate::keys::COUNTER_TTL_MS;
+            let _ = commands::pool_room_empty(&app.store, &q.prefix, ws, ttl).await;
         }
         return "empty";
     }
@@ -494,6 +499,7 @@ async fn credit(
         life_ms,
         nb_ms,
         alloc_now_ms,
+        pool_available: g.pool.available,
     };
     let token = q.token();
     let on = On { prefix: &q.prefix, token: &token };

@@ -96,6 +96,9 @@ pub enum Shadow {
     PerKey,
     /// The quota's pool was empty (`429 quota_exhausted` if enforced).
     Quota,
+    /// What was left was reserved for more important priorities (`429
+    /// quota_exhausted`, `limit: "reserve"` if enforced).
+    Reserve,
 }
 
 impl Shadow {
@@ -104,6 +107,7 @@ impl Shadow {
         match self {
             Shadow::PerKey => "per_key",
             Shadow::Quota => resource,
+            Shadow::Reserve => "reserve",
         }
     }
 
@@ -114,6 +118,7 @@ impl Shadow {
         match e {
             Error::KeyLimited { .. } => Some(Shadow::PerKey),
             Error::Exhausted { .. } => Some(Shadow::Quota),
+            Error::Reserved { .. } => Some(Shadow::Reserve),
             _ => None,
         }
     }

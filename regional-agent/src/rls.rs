@@ -354,9 +354,10 @@ impl Rls {
             match spend::decide(&self.app.decider, &req, &mut policies).await {
                 Ok(d) => return Ok(self.answer(read, &outcome(&policies, Some(Ok(&d))))),
                 Err((Error::UnknownQuota(_), Some(at))) => limited[idx[at]] = false,
-                Err((e @ (Error::Exhausted { .. } | Error::KeyLimited { .. }), Some(at))) => {
-                    return Ok(self.answer(read, &outcome(&policies, Some(Err((&e, at))))))
-                }
+                Err((
+                    e @ (Error::Exhausted { .. } | Error::KeyLimited { .. } | Error::Reserved { .. }),
+                    Some(at),
+                )) => return Ok(self.answer(read, &outcome(&policies, Some(Err((&e, at)))))),
                 Err((Error::PolicyRefuses { reason, .. }, Some(at))) => {
                     // The first descriptor of the quota that refused.
                     let d = read.of.iter().position(|o| *o == Some(idx[at])).unwrap_or(0);
@@ -786,6 +787,7 @@ mod tests {
             per_key: None,
             enforce: true,
             on_stale: Default::default(),
+            held: [0; 5],
         };
         for (w, unit) in [(1, Unit::Second), (60, Unit::Minute), (3600, Unit::Hour), (86_400, Unit::Day)] {
             let l = current_limit("a", "r", p(w));

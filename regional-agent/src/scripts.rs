@@ -161,6 +161,9 @@ pub struct Ask {
     /// the request names no key (the buckets of the quotas whose policy has
     /// a per-key limit are checked).
     pub key: String,
+    /// On each quota of the run, the tokens the request may not take: the
+    /// reserves kept for more important priorities (0: none).
+    pub held: Vec<i64>,
 }
 
 /// One quota of a spend run.
@@ -201,6 +204,10 @@ pub enum Spend {
         /// Whole tokens in the bucket.
         remaining: i64,
     },
+    /// Quota `quota` keeps what is left of its window for more important
+    /// priorities than the request's: `available` in the region's balance,
+    /// `room` in the pool as last heard; nothing was debited.
+    Reserved { quota: usize, available: i64, room: i64 },
 }
 
 /// A spend run that decided: the incarnation of each quota, and the
@@ -257,6 +264,9 @@ fn spend_invocation(by: Caller<'_>, quotas: &[Part<'_>], asks: &[Ask]) -> Script
         inv.arg(&a.rid).arg(flag(a.count_demand)).arg(&a.key);
         for i in 0..quotas.len() {
             inv.arg(a.costs.get(i).copied().unwrap_or(0));
+        }
+        for i in 0..quotas.len() {
+            inv.arg(a.held.get(i).copied().unwrap_or(0));
         }
     }
     inv
@@ -329,6 +339,7 @@ fn decision(d: &Reply) -> Result<Spend, StoreError> {
         }
         "none" => Spend::None { quota: index(d.int(1))?, wait_ms: d.int(2), exhausted_ms: d.int(3) },
         "key" => Spend::KeyLimited { quota: index(d.int(1))?, retry_ms: d.int(2), remaining: d.int(3) },
+        "reserve" => Spend::Reserved { quota: index(d.int(1))?, available: d.int(2), room: d.int(3) },
         "" => return Err(short()),
         other => return Err(StoreError::Protocol(other.to_string())),
     })
@@ -431,6 +442,9 @@ pub struct Lease {
     pub nb_ms: i64,
     /// The allocator's clock now (Unix ms), for the region's one clock (I8).
     pub alloc_now_ms: i64,
+    /// What the window's pool holds unleased after this grant (for
+    /// reserves, see `lua/spend.lua`).
+    pub pool_available: i64,
 }
 
 /// What a credit did.
@@ -467,7 +481,8 @@ pub async fn credit(
         .arg(lease.life_ms)
         .arg(lease.nb_ms)
         .arg(lease.life_ms.max(0) + lease.nb_ms + COUNTER_TTL_MS)
-        .arg(lease.alloc_now_ms);
+        .arg(lease.alloc_now_ms)
+        .arg(lease.pool_available.max(0));
     let r: Reply = store.eval(&inv).await?;
     Ok(read_credit(&r))
 }
@@ -600,7 +615,7 @@ mod tests {
     }
 
     #[test]
-    fn spend_invocation_sends_a_key_per_quota_six_arguments_ten_per_quota_then_three_plus_one_per_quota_per_ask(
+    fn spend_invocation_sends_a_key_per_quota_six_arguments_ten_per_quota_then_three_plus_two_per_quota_per_ask(
     ) {
         let per_key = Some(Bucket { rate_milli: 8000, burst: 8 });
         let common = Common {
@@ -613,8 +628,20 @@ mod tests {
             legacy_fallback: Some((60, 2)),
         };
         let asks = [
-            Ask { costs: vec![3, 1], rid: "3:r-1".into(), count_demand: true, key: "5:alice".into() },
-            Ask { costs: vec![1, 0], rid: String::new(), count_demand: false, key: String::new() },
+            Ask {
+                costs: vec![3, 1],
+                rid: "3:r-1".into(),
+                count_demand: true,
+                key: "5:alice".into(),
+                held: vec![10, 0],
+            },
+            Ask {
+                costs: vec![1, 0],
+                rid: String::new(),
+                count_demand: false,
+                key: String::new(),
+                held: vec![0, 0],
+            },
         ];
         let quotas = [
             Part { on: On { prefix: "q:{1:a}:1:b:", token: "tok" }, common },
@@ -623,7 +650,7 @@ mod tests {
         let inv = spend_invocation(Caller { agent: "eu-1", epoch: 9 }, &quotas, &asks);
         // (the arguments themselves are not shown by the redis crate)
         let shown = format!("{inv:?}");
-        assert!(shown.contains("args: 36") && shown.contains("keys: 2"), "{shown}");
+        assert!(shown.contains("args: 40") && shown.contains("keys: 2"), "{shown}");
     }
 
     #[test]
@@ -639,8 +666,9 @@ mod tests {
             arr(vec![bulk("none"), Value::Int(2), Value::Int(-1), Value::Int(700), Value::Int(0)]),
             arr(vec![bulk("admit"), arr(vec![part("fallback", 120, 1, 5), part("lease", 120, 0, -1)])]),
             arr(vec![bulk("key"), Value::Int(1), Value::Int(125), Value::Int(0)]),
+            arr(vec![bulk("reserve"), Value::Int(1), Value::Int(4), Value::Int(20)]),
         ]);
-        let got = read_spend(&ok, 5).unwrap();
+        let got = read_spend(&ok, 6).unwrap();
         let admit = |source: &str, window_start, remaining, key_remaining| Admit {
             source: source.into(),
             window_start,
@@ -653,11 +681,12 @@ mod tests {
             Spend::None { quota: 1, wait_ms: -1, exhausted_ms: 700 },
             Spend::Admit(vec![admit("fallback", 120, 1, Some(5)), admit("lease", 120, 0, None)]),
             Spend::KeyLimited { quota: 0, retry_ms: 125, remaining: 0 },
+            Spend::Reserved { quota: 0, available: 4, room: 20 },
         ];
         let tokens = vec!["tok".to_string(), "tok2".to_string()];
         assert_eq!(got, Outcome::Ran { token: String::new(), value: Decided { tokens, decisions: want } });
         // Fewer decisions than requests is a protocol error, not a refusal.
-        assert!(matches!(read_spend(&ok, 6), Err(StoreError::Protocol(_))));
+        assert!(matches!(read_spend(&ok, 7), Err(StoreError::Protocol(_))));
     }
 
     #[test]

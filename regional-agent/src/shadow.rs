@@ -20,6 +20,7 @@ pub(crate) async fn shadow_admit(app: &Decider, q: &Quota, p: PolicyInfo, s: Sha
     let limit = match s {
         Shadow::PerKey => "per_key",
         Shadow::Quota => "quota",
+        Shadow::Reserve => "reserve",
     };
     app.metrics.inc("agent_shadow_refusals_total", &[("limit", limit)]);
     let key_remaining = match e {

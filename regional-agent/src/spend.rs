@@ -267,6 +267,11 @@ fn held_refusal(
     })
 }
 
+/// Longest `Retry-After` of a reserve's refusal: the reserve lasts to the
+/// window's end, but tokens released to the pool (an agent stopping) widen
+/// what is left sooner, as a 429's hint should allow for.
+const RESERVE_RETRY_MAX_MS: i64 = 60_000;
+
 /// Milliseconds until the end of the window the allocator's clock is in.
 fn ms_to_window_end(app: &Decider, p: PolicyInfo) -> i64 {
     let now = app.allocator_now();
@@ -315,6 +320,17 @@ async fn spend_with_waits(
             Outcome::Lost(_) => continue,
             Outcome::Ran { value: Spend::None { quota, wait_ms, exhausted_ms }, .. } => {
                 (active.get(quota).copied().unwrap_or(active[0]), wait_ms, exhausted_ms)
+            }
+            // What is left is kept for more important priorities: no
+            // renewal changes that before the window ends. Not held in the
+            // negative cache: a more important request must still pass.
+            Outcome::Ran { value: Spend::Reserved { quota, .. }, .. } => {
+                let i = active.get(quota).copied().unwrap_or(active[0]);
+                app.metrics
+                    .inc("agent_reserve_refusals_total", &[("priority", crate::shed::label(req.priority))]);
+                let resource = req.wants[i].resource.clone();
+                let retry_after_ms = ms_to_window_end(app, ps[i]).clamp(1, RESERVE_RETRY_MAX_MS);
+                return Err((Error::Reserved { resource, retry_after_ms }, Some(i)));
             }
             // The key's own limit: no renewal or fallback changes it.
             Outcome::Ran { value: Spend::KeyLimited { quota, retry_ms, remaining }, .. } => {
@@ -423,7 +439,8 @@ async fn spend_once(
         _ => String::new(),
     };
     let costs = active.iter().map(|&i| req.wants[i].cost).collect();
-    let ask = Ask { costs, rid, count_demand, key };
+    let held = active.iter().map(|&i| ps[i].held[usize::from(req.priority.min(4))]).collect();
+    let ask = Ask { costs, rid, count_demand, key, held };
     let sent = Instant::now();
     let r = if let [i] = active {
         let q = &qs[*i];

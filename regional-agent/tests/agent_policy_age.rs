@@ -8,11 +8,7 @@
 mod common;
 
 use common::{acquire, World};
-use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
-use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
-use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
-use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use quota_tests::agent::{AgentOpts, AgentProc};
 use quota_tests::http::{metric, Http};
 use quota_tests::proxy::{Fault, FaultProxy};
@@ -27,23 +23,6 @@ async fn status_of(http: &Http, resource: &str) -> Value {
         .as_array()
         .and_then(|qs| qs.iter().find(|q| q["resource"] == resource).cloned())
         .unwrap_or(Value::Null)
-}
-
-/// One `ShouldRateLimit` of `resource` (tenant atlas) on the agent's RLS port.
-async fn rls(addr: &str, resource: &str) -> RateLimitResponse {
-    let url = format!("http://{addr}");
-    let mut c = quota_tests::wait::until("the RLS port accepts", Duration::from_secs(20), || {
-        let url = url.clone();
-        async move { RateLimitServiceClient::connect(url).await.ok() }
-    })
-    .await;
-    let entries = vec![Entry { key: "resource".into(), value: resource.into() }];
-    let d = RateLimitDescriptor { entries, ..Default::default() };
-    let req = RateLimitRequest { domain: "atlas".into(), descriptors: vec![d], hits_addend: 1 };
-    c.should_rate_limit(req)
-        .await
-        .expect("a stale policy's refusal is an answer, not a gRPC error")
-        .into_inner()
 }
 
 async fn metrics(http: &Http) -> String {
@@ -125,7 +104,7 @@ async fn a_partition_past_the_max_age_applies_each_policys_on_stale_across_a_res
     assert!(after >= Duration::from_secs(MAX_AGE_SECS) - Duration::from_millis(1500), "{after:?}");
     // Over RLS: a refusal Envoy cannot let through, whatever its
     // failure_mode_deny.
-    let r = rls(&grpc, "strict-fail").await;
+    let r = common::rls_atlas(&grpc, &[("resource", "strict-fail")]).await;
     assert_eq!(r.overall_code, Code::OverLimit as i32, "{r:?}");
     let reason =
         r.response_headers_to_add.iter().find(|h| h.key == "x-quota-refused").map(|h| h.value.clone());

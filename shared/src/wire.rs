@@ -77,6 +77,39 @@ impl OnStale {
     }
 }
 
+/// A share of a policy's window kept for the important priorities: once
+/// what is left of the window's pool falls to it, requests of a priority
+/// above `up_to_priority` are refused (`429`, `limit: "reserve"`).
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[cfg_attr(feature = "service", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct Reserve {
+    /// The least important priority the share is kept for, 0 to 3
+    /// (priorities run from 0, the most important, to 4).
+    #[cfg_attr(feature = "service", schema(minimum = 0, maximum = 3))]
+    pub up_to_priority: u8,
+    /// The share, in whole percent of the policy's limit, 1 to 100.
+    #[cfg_attr(feature = "service", schema(minimum = 1, maximum = 100))]
+    pub pct: i64,
+}
+
+impl Reserve {
+    /// Tokens of a window of `limit` that a request of `priority` may not
+    /// take: the reserves kept for more important priorities than it, each
+    /// `ceil(limit × pct / 100)`. Entries are validated by the allocator;
+    /// out-of-range ones here count as they are, clamped, so a bad cached
+    /// entry can only keep more back, never less than 0.
+    pub fn held(limit: i64, reserves: &[Reserve], priority: u8) -> i64 {
+        let limit = limit.max(0);
+        reserves
+            .iter()
+            .filter(|r| priority > r.up_to_priority)
+            .map(|r| (i128::from(limit) * i128::from(r.pct.clamp(0, 100)) + 99) / 100)
+            .sum::<i128>()
+            .min(i128::from(limit)) as i64
+    }
+}
+
 /// `PUT /v1/policies/{tenant}/{resource}` body. Omitted fields get the
 /// documented defaults (see the allocator's `policies` module).
 #[derive(Debug, Clone, Serialize, Deserialize, Default)]
@@ -116,6 +149,10 @@ pub struct PolicySpec {
     /// maximum policy age does (default `keep`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub on_stale: Option<OnStale>,
+    /// Shares of each window kept for the important priorities (default
+    /// none): at most 4, one per `up_to_priority`, summing to at most 100.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reserve: Option<Vec<Reserve>>,
 }
 
 fn yes() -> bool {
@@ -173,6 +210,8 @@ pub struct Policy {
     /// What a partitioned agent does once the policy is older than its
     /// maximum policy age.
     pub on_stale: OnStale,
+    /// Shares of each window kept for the important priorities.
+    pub reserve: Vec<Reserve>,
     /// Strictly increasing per quota.
     pub version: i64,
     pub updated_at: DateTime<Utc>,
@@ -284,6 +323,9 @@ pub struct GrantResponse {
     /// older than it omits it: `keep`, what agents did before.
     #[serde(default)]
     pub on_stale: OnStale,
+    /// The policy's reserves (as of `policy_version`); absent: none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub reserve: Vec<Reserve>,
     /// Present when `tokens` is 0: when asking again may help.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub retry_after_ms: Option<i64>,
@@ -526,4 +568,24 @@ pub struct AgentStatusReport {
     pub quotas_total: i64,
     /// At most 200 quotas: those with refusals or not leased first.
     pub quotas: Vec<AgentQuotaStatus>,
+}
+
+#[cfg(test)]
+mod reserve_tests {
+    use super::Reserve;
+
+    #[test]
+    fn a_priority_may_not_take_the_reserves_kept_for_more_important_ones() {
+        let r = [Reserve { up_to_priority: 1, pct: 10 }, Reserve { up_to_priority: 0, pct: 5 }];
+        // G = 1000: priority 0 takes everything; 1 leaves 0's 5 %; 2-4 leave both.
+        let held: Vec<i64> = (0..=4).map(|p| Reserve::held(1000, &r, p)).collect();
+        assert_eq!(held, [0, 50, 150, 150, 150]);
+        // Rounded up: 10 % of 25 keeps 3.
+        assert_eq!(Reserve::held(25, &[Reserve { up_to_priority: 1, pct: 10 }], 2), 3);
+        assert_eq!(Reserve::held(1000, &[], 4), 0);
+        // Never more than the limit, whatever a bad entry says.
+        let bad = [Reserve { up_to_priority: 0, pct: 400 }, Reserve { up_to_priority: 1, pct: 90 }];
+        assert_eq!(Reserve::held(100, &bad, 4), 100);
+        assert_eq!(Reserve::held(i64::MAX, &[Reserve { up_to_priority: 0, pct: 100 }], 1), i64::MAX);
+    }
 }

@@ -379,6 +379,7 @@ mod assemble_tests {
             per_key_burst: None,
             enforce: true,
             on_stale: "keep".into(),
+            reserve: serde_json::json!([]),
             version: 3,
             updated_at: t(0),
         }

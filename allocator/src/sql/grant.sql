@@ -1,7 +1,8 @@
 -- One grant in one statement, sent in autocommit (see the migration that
 -- defines quota_grant): the pool row is locked only inside the server. The
--- stale behaviour is read from the version the lease was granted under
--- (see the migration that adds on_stale), so a replay answers the same.
+-- stale behaviour and the reserves are read from the version the lease was
+-- granted under (see the migrations that add them), so a replay answers
+-- the same.
 select outcome as "outcome!", now_at as "now_at?", current_epoch as "current_epoch?", opens_at as "opens_at?",
        lease_id as "lease_id?", tenant as "tenant?", resource as "resource?", region as "region?",
        agent as "agent?", epoch as "epoch?", seq as "seq?", window_start as "window_start?",
@@ -12,5 +13,7 @@ select outcome as "outcome!", now_at as "now_at?", current_epoch as "current_epo
        pool_available as "pool_available?", retry_after_ms, unspent, returned, released_at,
        per_key_rate_milli, per_key_burst, enforce as "enforce?",
        (select v.on_stale from policy_version v
-        where v.tenant = g.tenant and v.resource = g.resource and v.version = g.policy_version) as on_stale
+        where v.tenant = g.tenant and v.resource = g.resource and v.version = g.policy_version) as on_stale,
+       (select v.reserve from policy_version v
+        where v.tenant = g.tenant and v.resource = g.resource and v.version = g.policy_version) as reserve
 from quota_grant($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11) g

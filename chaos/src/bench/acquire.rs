@@ -156,7 +156,13 @@ fn spend_op(store: Store, a: SpendArgs) -> Op {
                 legacy_fallback: None,
             };
             // One request per run: the script as one client's decision costs.
-            let ask = Ask { costs: vec![1], rid: String::new(), count_demand: true, key: String::new() };
+            let ask = Ask {
+                costs: vec![1],
+                rid: String::new(),
+                count_demand: true,
+                key: String::new(),
+                held: vec![0],
+            };
             let on = On { prefix: &a.prefix, token: &a.token };
             let by = Caller { agent: &a.agent, epoch: a.epoch };
             // The store bounds the call by its timeout (CALL_TIMEOUT).

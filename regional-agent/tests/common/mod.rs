@@ -370,3 +370,25 @@ pub async fn hammer(http: &quota_tests::http::Http, resource: &str, stop: (u16, 
     }
     t
 }
+
+/// One `ShouldRateLimit` of tenant atlas with one descriptor of `entries`
+/// on the agent's RLS port `addr` (connecting, within 20 s, each time).
+pub async fn rls_atlas(
+    addr: &str,
+    entries: &[(&str, &str)],
+) -> envoy_types::pb::envoy::service::ratelimit::v3::RateLimitResponse {
+    use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+    use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+    use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+    use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
+    let url = format!("http://{addr}");
+    let mut c = quota_tests::wait::until("the RLS port accepts", Duration::from_secs(20), || {
+        let url = url.clone();
+        async move { RateLimitServiceClient::connect(url).await.ok() }
+    })
+    .await;
+    let entries = entries.iter().map(|(k, v)| Entry { key: k.to_string(), value: v.to_string() }).collect();
+    let d = RateLimitDescriptor { entries, ..Default::default() };
+    let req = RateLimitRequest { domain: "atlas".into(), descriptors: vec![d], hits_addend: 1 };
+    c.should_rate_limit(req).await.expect("an answer, not a gRPC error").into_inner()
+}
