@@ -95,6 +95,28 @@ struct Version {
     reserve: Vec<Reserve>,
 }
 
+impl Version {
+    /// From the stored columns (written validated).
+    fn of(on_stale: &str, reserve: serde_json::Value) -> Version {
+        Version {
+            on_stale: OnStale::parse(on_stale).unwrap_or_default(),
+            reserve: serde_json::from_value(reserve).unwrap_or_default(),
+        }
+    }
+}
+
+/// The stale behaviour and reserves of a policy version, read on their
+/// own (see `src/sql/policy_version_extras.sql`); a version retention
+/// removed reads as `keep` without reserves.
+async fn version_extras(state: &AppState, tenant: &str, resource: &str, version: i64) -> Result<Version> {
+    let row = sqlx::query_file!("src/sql/policy_version_extras.sql", tenant, resource, version)
+        .fetch_optional(&state.db)
+        .await?;
+    Ok(row.map_or(Version { on_stale: OnStale::Keep, reserve: Vec::new() }, |r| {
+        Version::of(&r.on_stale, r.reserve)
+    }))
+}
+
 /// `POST /v1/grants`: a lease, or a replay of one (I1–I4); or, with
 /// `items`, up to `MAX_GRANT_BATCH` of them answered item by item.
 #[utoipa::path(
@@ -302,6 +324,16 @@ impl GrantRow {
         self.now_at.ok_or_else(|| missing("now_at"))
     }
 
+    /// The lease the row carries, and what the statement read of its
+    /// policy version (`None` when its snapshot predates that version).
+    fn lease_and_version(mut self) -> Result<(LeaseRow, Option<Version>)> {
+        let version = match (self.on_stale.take(), self.reserve.take()) {
+            (Some(on_stale), Some(reserve)) => Some(Version::of(&on_stale, reserve)),
+            _ => None,
+        };
+        Ok((self.lease()?, version))
+    }
+
     /// The lease the row carries.
     fn lease(self) -> Result<LeaseRow> {
         Ok(LeaseRow {
@@ -369,11 +401,15 @@ async fn try_grant(state: &AppState, req: &GrantRequest) -> Result<(Outcome, Dat
         "granted" | "replayed" => {
             let now = row.now()?;
             let replayed = row.outcome == "replayed";
-            let v = Version {
-                on_stale: row.on_stale.as_deref().and_then(OnStale::parse).unwrap_or_default(),
-                reserve: row.reserve.clone().and_then(|r| serde_json::from_value(r).ok()).unwrap_or_default(),
+            let lease = row.lease_and_version()?;
+            let (lease, v) = match lease {
+                (lease, Some(v)) => (lease, v),
+                (lease, None) => {
+                    let v =
+                        version_extras(state, &lease.tenant, &lease.resource, lease.policy_version).await?;
+                    (lease, v)
+                }
             };
-            let lease = row.lease()?;
             Span::current().record("lease_id", tracing::field::display(lease.lease_id));
             if replayed {
                 return Ok((Outcome::Replayed(lease, v), now));

@@ -17,7 +17,7 @@ use axum::extract::State;
 use axum::http::HeaderMap;
 use axum::{Extension, Json};
 use chrono::{DateTime, Utc};
-use quota_shared::wire::{ErrorBody, FailMode, OnStale, PerKey, Policy, PolicySpec, Reserve};
+use quota_shared::wire::{ErrorBody, FailMode, OnStale, PerKey, Policy, PolicySpec, Reserve, ReserveSpec};
 use serde::{Deserialize, Serialize};
 use sqlx::{PgConnection, PgPool};
 use utoipa::ToSchema;
@@ -170,7 +170,7 @@ pub fn resolve_per_key(p: &PerKey) -> Result<(i64, i64)> {
 
 /// Checks the reserves: at most 4, `up_to_priority` 0 to 3 and each once,
 /// `pct` 1 to 100, summing to at most 100.
-pub fn resolve_reserve(reserve: &[Reserve]) -> Result<Vec<Reserve>> {
+pub fn resolve_reserve(reserve: &[ReserveSpec]) -> Result<Vec<Reserve>> {
     if reserve.len() > 4 {
         return Err(Error::invalid(
             "reserve",
@@ -204,7 +204,8 @@ pub fn resolve_reserve(reserve: &[Reserve]) -> Result<Vec<Reserve>> {
     if total > 100 {
         return Err(Error::invalid("reserve", format!("the shares sum to {total} %, above 100")));
     }
-    let mut sorted = reserve.to_vec();
+    let mut sorted: Vec<Reserve> =
+        reserve.iter().map(|r| Reserve { up_to_priority: r.up_to_priority, pct: r.pct }).collect();
     sorted.sort_by_key(|r| r.up_to_priority);
     Ok(sorted)
 }
@@ -476,7 +477,8 @@ mod tests {
     }
 
     fn rs(s: PolicySpec, entries: &[(u8, i64)]) -> PolicySpec {
-        let reserve = entries.iter().map(|&(up_to_priority, pct)| Reserve { up_to_priority, pct }).collect();
+        let reserve =
+            entries.iter().map(|&(up_to_priority, pct)| ReserveSpec { up_to_priority, pct }).collect();
         PolicySpec { reserve: Some(reserve), ..s }
     }
 

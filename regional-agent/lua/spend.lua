@@ -226,21 +226,27 @@ for at = first_ask, #ARGV - (2 + 2 * m), 3 + 2 * m do
       end
     end
     if not refused then
-      local how = {}
+      -- A quota with no token wins over a reserve's refusal: the request
+      -- may wait for its renewal, and its demand must be seen.
+      local how, none, reserved = {}, false, false
       for _, i in ipairs(named) do
         local q = Q[i]
         if counts then q.demand = q.demand + costs[i] end
         how[i] = payable(q, costs[i])
-        if not how[i] and not refused then
-          if not q.exh then q.exh = tonumber(redis.call('GET', q.P .. 'exh') or '-1') end
-          refused = {'none', i, q.wait, q.exh, q.avail}
-        elseif how[i] == 'lease' and held[i] > 0 and not refused
+        if not how[i] then
+          if not none then
+            if not q.exh then q.exh = tonumber(redis.call('GET', q.P .. 'exh') or '-1') end
+            none = {'none', i, q.wait, q.exh, q.avail}
+          end
+        elseif how[i] == 'lease' and held[i] > 0 and not reserved
             and q.avail + room(q) - costs[i] < held[i] then
-          refused = {'reserve', i, q.avail, room(q)}
+          reserved = {'reserve', i, q.avail, room(q)}
         end
       end
-      if refused and refused[1] == 'reserve' and counts then
-        for _, i in ipairs(named) do Q[i].demand = Q[i].demand - costs[i] end
+      refused = none or reserved
+      if not none and reserved and counts then
+        local i = reserved[2]
+        Q[i].demand = Q[i].demand - costs[i]
       end
       if not refused then
         local parts = {}

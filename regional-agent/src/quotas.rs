@@ -308,7 +308,10 @@ impl Quota {
             None => {}
         }
         let mut cur = self.policy.lock().unwrap();
-        if cur.is_none_or(|c| c.version < p.version) {
+        // The same version with other fields: the record was written from
+        // a grant answer this replica has not seen (one that carried the
+        // version's reserves or stale behaviour, say), so it is adopted.
+        if cur.is_none_or(|c| c.version < p.version || (c.version == p.version && c != p)) {
             *cur = Some(p);
         }
         *cur

@@ -268,8 +268,9 @@ fn held_refusal(
 }
 
 /// Longest `Retry-After` of a reserve's refusal: the reserve lasts to the
-/// window's end, but tokens released to the pool (an agent stopping) widen
-/// what is left sooner, as a 429's hint should allow for.
+/// window's end, but a client told to come back in an hour would not try
+/// the next window on time when windows are long and the hint is only a
+/// hint (a 429's `Retry-After` elsewhere is capped the same way).
 const RESERVE_RETRY_MAX_MS: i64 = 60_000;
 
 /// Milliseconds until the end of the window the allocator's clock is in.

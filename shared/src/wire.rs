@@ -77,12 +77,27 @@ impl OnStale {
     }
 }
 
-/// A share of a policy's window kept for the important priorities: once
-/// what is left of the window's pool falls to it, requests of a priority
-/// above `up_to_priority` are refused (`429`, `limit: "reserve"`).
+/// A reserve as a policy PUT gives it (unknown fields refused); see
+/// [`Reserve`].
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
 #[cfg_attr(feature = "service", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
+pub struct ReserveSpec {
+    /// 0 to 3.
+    #[cfg_attr(feature = "service", schema(minimum = 0, maximum = 3))]
+    pub up_to_priority: u8,
+    /// 1 to 100.
+    #[cfg_attr(feature = "service", schema(minimum = 1, maximum = 100))]
+    pub pct: i64,
+}
+
+/// A share of a policy's window kept for the important priorities: once
+/// what is left of the window's pool falls to it, requests of a priority
+/// above `up_to_priority` are refused (`429`, `limit: "reserve"`). As
+/// policies and grants show it: fields a newer allocator may add are
+/// ignored, so an agent keeps reading grants across an upgrade.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[cfg_attr(feature = "service", derive(utoipa::ToSchema))]
 pub struct Reserve {
     /// The least important priority the share is kept for, 0 to 3
     /// (priorities run from 0, the most important, to 4).
@@ -152,7 +167,7 @@ pub struct PolicySpec {
     /// Shares of each window kept for the important priorities (default
     /// none): at most 4, one per `up_to_priority`, summing to at most 100.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub reserve: Option<Vec<Reserve>>,
+    pub reserve: Option<Vec<ReserveSpec>>,
 }
 
 fn yes() -> bool {

@@ -23,6 +23,7 @@
 
 pub mod acquire;
 pub mod envoy;
+pub mod flood;
 pub mod grants;
 pub mod hist;
 pub mod machine;

@@ -67,11 +67,16 @@ where
     // aborts every connection task.
     let mut conns = JoinSet::new();
     tokio::pin!(shutdown);
+    // One deadline per wait for evicted connections to close, kept across
+    // the loop's turns (a connection task that ends restarts the select,
+    // and must not restart the wait).
+    let mut wait_until: Option<tokio::time::Instant> = None;
     loop {
+        let deadline = *wait_until.get_or_insert_with(|| tokio::time::Instant::now() + EVICTED_CLOSE_WAIT);
         // Both steps are cancel-safe: a connection that finished or the
         // shutdown does not lose an accepted stream.
         let accept = async {
-            slots.room_to_evict(EVICTED_CLOSE_WAIT).await;
+            slots.room_to_evict(deadline).await;
             listener.accept().await
         };
         let (tcp, peer) = tokio::select! {
@@ -88,6 +93,7 @@ where
             Some(_) = conns.join_next(), if !conns.is_empty() => continue,
             _ = &mut shutdown => break,
         };
+        wait_until = None;
         let (slot, probes_only) = match slots.admit() {
             Admit::Serve(s) => (s, false),
             Admit::ProbesOnly(s) => (s, true),
@@ -103,7 +109,13 @@ where
             let conn = slot.conn.clone();
             // The handshake counts against the header timeout too.
             let header = limits.header_read_timeout;
-            let Ok(Some((io, svc))) = tokio::time::timeout(header, handshake(tcp, peer)).await else {
+            // An evicted connection still in its handshake (TLS) closes at
+            // once: its descriptor is what the accept loop waits for.
+            let handshaken = tokio::select! {
+                r = tokio::time::timeout(header, handshake(tcp, peer)) => r,
+                () = conn.until_evicted() => return,
+            };
+            let Ok(Some((io, svc))) = handshaken else {
                 return;
             };
             connection(slot, probes_only, Tracked { io, conn }, svc, limits, stop, peer).await;

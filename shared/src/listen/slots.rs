@@ -72,6 +72,15 @@ impl Conn {
         self.evicted.load(Ordering::Acquire)
     }
 
+    /// Resolves once the connection is evicted (for a phase nothing else
+    /// watches, such as a TLS handshake: an evicted connection must give
+    /// its descriptor back at once, not at the header timeout).
+    pub async fn until_evicted(&self) {
+        while !self.evicted() {
+            self.changed.notified().await;
+        }
+    }
+
     /// Bytes arrived: the first of a request on an idle keep-alive
     /// connection starts its header timeout.
     pub fn on_read(&self) {
@@ -215,13 +224,12 @@ impl Slots {
     }
 
     /// Returns once fewer than [`CLOSING_MAX`] evicted connections are
-    /// still closing, or after `max_wait`. The accept loop calls it before
+    /// still closing, or at `deadline`. The accept loop calls it before
     /// accepting: a flood of connections then waits in the kernel's accept
     /// queue while the evicted ones close, instead of being accepted and
     /// refused, and so does a probe that arrives in the flood (refused, it
     /// would count as a failed probe).
-    pub async fn room_to_evict(&self, max_wait: Duration) {
-        let deadline = tokio::time::Instant::now() + max_wait;
+    pub async fn room_to_evict(&self, deadline: tokio::time::Instant) {
         loop {
             let closed = self.closed_evicted.notified();
             tokio::pin!(closed);
@@ -376,7 +384,7 @@ mod tests {
             }
         }
         let waited = tokio::time::Instant::now();
-        s.room_to_evict(Duration::from_millis(50)).await;
+        s.room_to_evict(waited + Duration::from_millis(50)).await;
         assert!(waited.elapsed() >= Duration::from_millis(50), "returned while {CLOSING_MAX} are closing");
         // One evicted connection closes: the wait ends before its limit.
         let first_evicted = held.iter().position(|h| h.conn.evicted()).expect("an evicted one");
@@ -384,7 +392,7 @@ mod tests {
             let s = s.clone();
             async move {
                 let t = tokio::time::Instant::now();
-                s.room_to_evict(Duration::from_secs(10)).await;
+                s.room_to_evict(t + Duration::from_secs(10)).await;
                 t.elapsed()
             }
         });
