@@ -36,8 +36,8 @@ use serde_json::json;
 use std::sync::Arc;
 use std::time::Duration;
 
-pub(super) const TENANT: &str = "bench";
-pub(super) const RESOURCE: &str = "read";
+const TENANT: &str = "bench";
+const RESOURCE: &str = "read";
 /// The same quota with a per-key bucket (issue 17): one bucket per client,
 /// sized so that it never refuses, so the figure is the bucket's cost.
 const RESOURCE_PER_KEY: &str = "read-per-key";
@@ -392,7 +392,11 @@ pub async fn run(rig: &Rig, plan: &Plan, out: &mut Results, progress: &dyn Fn(&s
         }
     }
 
-    super::flood::run(rig, plan, &http, &agent.base, out, progress).await?;
+    let other = super::flood::Other {
+        op: acquire_op(http.clone(), &agent.base),
+        name: format!("{TENANT}/{RESOURCE}"),
+    };
+    super::flood::run(rig, plan, &http, &agent.base, other, out, progress).await?;
     agent_memory_per_quota(rig, plan, &agent, &http, out, progress).await?;
 
     progress("scaling: Redis memory of one quota");
@@ -477,7 +481,7 @@ struct Stages {
 }
 
 /// The agent's `/metrics` text.
-pub(super) async fn agent_metrics(http: &reqwest::Client, base: &str) -> Result<String, String> {
+async fn agent_metrics(http: &reqwest::Client, base: &str) -> Result<String, String> {
     http.get(format!("{base}/metrics"))
         .send()
         .await

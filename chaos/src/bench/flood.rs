@@ -7,7 +7,6 @@
 //! during the flood over its p99 just before (`flood.other_p99_ratio`,
 //! target ≤ 2), both from the same run.
 
-use super::acquire::{acquire_op_for, agent_metrics, RESOURCE, TENANT};
 use super::hist::{closed_loop, Op, Sample};
 use super::rig::Rig;
 use super::{Plan, Results};
@@ -48,9 +47,11 @@ fn flood_op(client: reqwest::Client, base: &str) -> Op {
 
 /// The agent's spend-script runs so far.
 async fn spend_runs(http: &reqwest::Client, base: &str) -> Result<f64, String> {
-    let text = agent_metrics(http, base).await?;
+    let text = async { http.get(format!("{base}/metrics")).send().await?.text().await }
+        .await
+        .map_err(|e| format!("agent /metrics: {e}"))?;
     quota_tests::http::metric(&text, "agent_spend_runs_total")
-        .ok_or("agent /metrics has no agent_spend_runs_total".into())
+        .ok_or_else(|| "agent /metrics has no agent_spend_runs_total".to_string())
 }
 
 fn errors_note(out: &mut Results, what: &str, s: &Sample) {
@@ -59,12 +60,19 @@ fn errors_note(out: &mut Results, what: &str, s: &Sample) {
     }
 }
 
+/// The tenant measured beside the flood: its decision and its name.
+pub struct Other {
+    pub op: Op,
+    pub name: String,
+}
+
 /// Measures the flood row on `base`'s agent (the acquire bench's).
 pub async fn run(
     rig: &Rig,
     plan: &Plan,
     http: &reqwest::Client,
     base: &str,
+    other: Other,
     out: &mut Results,
     progress: &dyn Fn(&str),
 ) -> Result<(), String> {
@@ -80,15 +88,15 @@ pub async fn run(
     if first.status() != 200 {
         return Err(format!("flood: the first acquire of the spent quota answered {}", first.status()));
     }
-    let other = acquire_op_for(http.clone(), base, &[RESOURCE], false);
+    let Other { op: other, name } = other;
 
-    progress(&format!("flood: {OTHER_CLIENTS} clients of {TENANT}/{RESOURCE} alone"));
+    progress(&format!("flood: {OTHER_CLIENTS} clients of {name} alone"));
     let before = closed_loop(OTHER_CLIENTS, plan.acquire, other.clone()).await?;
     progress(&format!("flood: {FLOOD_CLIENTS} clients on the spent quota alone"));
     let runs0 = spend_runs(http, base).await?;
     let alone = closed_loop(FLOOD_CLIENTS, plan.acquire, flood.clone()).await?;
     let runs = spend_runs(http, base).await? - runs0;
-    progress(&format!("flood: {OTHER_CLIENTS} clients of {TENANT}/{RESOURCE} during the flood"));
+    progress(&format!("flood: {OTHER_CLIENTS} clients of {name} during the flood"));
     let (during_flood, during) = futures::join!(
         closed_loop(FLOOD_CLIENTS, plan.acquire, flood),
         closed_loop(OTHER_CLIENTS, plan.acquire, other)
