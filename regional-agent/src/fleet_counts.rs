@@ -36,7 +36,7 @@ impl WindowCounts {
         };
         match outcome {
             "quota_exhausted" => c.quota_exhausted += 1,
-            "allocator_unreachable" | "store_unavailable" => c.unavailable += 1,
+            "allocator_unreachable" | "store_unavailable" | "policy_stale" => c.unavailable += 1,
             _ => {}
         }
         c
@@ -56,7 +56,10 @@ impl FleetStatus {
     /// is known, in the window containing `now` (the allocator's clock).
     pub fn count(&self, quota: &str, policy: Option<PolicyInfo>, outcome: &str, now: DateTime<Utc>) {
         let (Some(p), Some((tenant, resource))) = (policy, quota.split_once('/')) else { return };
-        if !matches!(outcome, "quota_exhausted" | "allocator_unreachable" | "store_unavailable") {
+        if !matches!(
+            outcome,
+            "quota_exhausted" | "allocator_unreachable" | "store_unavailable" | "policy_stale"
+        ) {
             return;
         }
         let start = Window::containing(now, p.window_secs).start;

@@ -30,7 +30,8 @@ pub fn mode(reachable: bool, policy: Option<PolicyInfo>, view: &View) -> &'stati
 
 /// Answers of `POST /v1/acquire` counted per quota by
 /// [`count_decision`]: the 429 and the 503s.
-pub const REFUSALS: [&str; 3] = ["quota_exhausted", "allocator_unreachable", "store_unavailable"];
+pub const REFUSALS: [&str; 4] =
+    ["quota_exhausted", "allocator_unreachable", "store_unavailable", "policy_stale"];
 
 /// Counters without labels that start at 0, so that `increase()` sees their
 /// first event (a series that appears at 1 shows no increase).
@@ -66,7 +67,7 @@ pub fn describe(m: &Registry) {
     m.describe(
         "agent_quota_refusals_total",
         "counter",
-        "Acquires answered 429 quota_exhausted or 503 (allocator_unreachable, store_unavailable), per quota with a known policy and its version",
+        "Acquires answered 429 quota_exhausted or 503 (allocator_unreachable, store_unavailable, policy_stale), per quota with a known policy and its version",
     );
     m.describe(
         "agent_quota_decisions_total",

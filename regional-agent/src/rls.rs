@@ -366,9 +366,11 @@ impl Rls {
                 // A shed is a refusal, not an error: Envoy lets a request
                 // through on an error when failure_mode_deny is off.
                 Err((Error::Shed { .. }, _)) => return Ok(shed(read)),
-                // A stale policy that says to fail closed refuses, for the
-                // same reason.
-                Err((Error::PolicyStale { .. }, _)) => return Ok(refusal(read, |_| true, STALE_REASON)),
+                // A stale policy that says to fail closed refuses (its
+                // quota's descriptors), for the same reason.
+                Err((Error::PolicyStale { .. }, Some(at))) => {
+                    return Ok(refusal(read, |d| read.of[d] == Some(idx[at]), STALE_REASON))
+                }
                 Err((e, _)) => return Err(status_of(&e)),
             }
         }

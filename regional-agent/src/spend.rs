@@ -160,8 +160,13 @@ pub(crate) async fn decide(
     let mut qs = Vec::with_capacity(req.wants.len());
     for (i, w) in req.wants.iter().enumerate() {
         let (q, p) = learn(app, &req.tenant, &w.resource).await.map_err(|e| (e, Some(i)))?;
-        let p = if_stale(app, &q, p).map_err(|e| (e, Some(i)))?;
+        // Known before the stale check, so that its refusal is counted
+        // against the quota's version like any other.
         policies.push(p);
+        let p = if_stale(app, &q, p).map_err(|e| (e, Some(i)))?;
+        if let Some(last) = policies.last_mut() {
+            *last = p;
+        }
         check(req, w, p).map_err(|e| (e, Some(i)))?;
         qs.push(q);
     }

@@ -134,6 +134,9 @@ async fn a_partition_past_the_max_age_applies_each_policys_on_stale_across_a_res
     }
     let text = metrics(&a.http).await;
     assert_eq!(metric(&text, "agent_policy_stale{quota=\"atlas/strict-fail\"}"), Some(1.0), "{text}");
+    let refused =
+        "agent_quota_refusals_total{quota=\"atlas/strict-fail\",code=\"policy_stale\",version=\"1\"}";
+    assert!(metric(&text, refused).unwrap_or(0.0) >= 1.0, "{text}");
     for applied in ["refused", "kept", "enforced"] {
         let n = metric(&text, &format!("agent_stale_policy_decisions_total{{applied=\"{applied}\"}}"));
         assert!(n.unwrap_or(0.0) >= 1.0, "{applied}: {n:?}");
