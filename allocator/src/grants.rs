@@ -103,6 +103,11 @@ impl Version {
             reserve: serde_json::from_value(reserve).unwrap_or_default(),
         }
     }
+
+    /// The grant answer of `lease` under this version, at `now`.
+    fn answer(self, lease: &LeaseRow, now: DateTime<Utc>) -> GrantResponse {
+        GrantResponse { on_stale: self.on_stale, reserve: self.reserve, ..lease.to_grant_response(now) }
+    }
 }
 
 /// The stale behaviour and reserves of a policy version, read on their
@@ -236,17 +241,11 @@ async fn grant_one(
                 &[("outcome", if row.tokens > 0 { "granted" } else { "empty" })],
             );
             state.metrics.inc_by("allocator_granted_tokens_total", &[], row.tokens as f64);
-            Ok((
-                false,
-                GrantResponse { on_stale: v.on_stale, reserve: v.reserve, ..row.to_grant_response(now) },
-            ))
+            Ok((false, v.answer(&row, now)))
         }
         Ok((Outcome::Replayed(row, v), now)) => {
             state.metrics.inc("allocator_grants_total", &[("outcome", "replayed")]);
-            Ok((
-                true,
-                GrantResponse { on_stale: v.on_stale, reserve: v.reserve, ..row.to_grant_response(now) },
-            ))
+            Ok((true, v.answer(&row, now)))
         }
         Err(e) => {
             state.metrics.inc("allocator_grants_total", &[("outcome", e.code())]);

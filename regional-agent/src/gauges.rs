@@ -95,14 +95,12 @@ pub fn describe(m: &Registry) {
         "gauge",
         "1 while the quota's policy is older than --max-policy-age-secs and the allocator is unreachable (its on_stale applies), else 0",
     );
-    m.describe(
+    m.counter_from_zero(
         "agent_stale_policy_decisions_total",
-        "counter",
         "Decisions made on a stale policy, by what its on_stale applied: kept (the last version), enforced (bounded, shadow mode off), refused (strict: 503 policy_stale)",
+        "applied",
+        &["kept", "enforced", "refused"],
     );
-    for applied in ["kept", "enforced", "refused"] {
-        m.inc_by("agent_stale_policy_decisions_total", &[("applied", applied)], 0.0);
-    }
     m.describe(
         "agent_allocator_clock_offset_seconds",
         "gauge",
@@ -153,12 +151,11 @@ pub fn refresh(
                 f64::from(u8::from(md == now)),
             ));
         }
-        let age_ms = q.confirmed.age_ms(ages.now_ms);
-        if let Some(ms) = age_ms {
+        if let Some(ms) = q.confirmed.age_ms(ages.now_ms) {
             age_series.push((vec![("quota", quota.clone())], ms as f64 / 1000.0));
         }
         if let Some(p) = policy {
-            let is_stale = crate::stale::is_stale(age_ms, ages.max, reachable);
+            let is_stale = q.confirmed.stale(ages.now_ms, ages.max, reachable);
             stale.push((vec![("quota", quota.clone())], f64::from(u8::from(is_stale))));
             versions.push((vec![("quota", quota)], p.version as f64));
         }

@@ -190,22 +190,18 @@ pub fn describe(m: &Registry) {
         "gauge",
         "Decisions (HTTP acquire and RLS) in flight in this agent, the count --shed-in-flight compares against",
     );
-    m.describe(
+    m.counter_from_zero(
         "agent_shed_total",
-        "counter",
         "Requests answered 503 shed (RLS: OVER_LIMIT with x-quota-refused: shed) because this agent was overloaded, by priority (2 to 4; 0 and 1 are never shed); nothing was charged",
+        "priority",
+        &["2", "3", "4"],
     );
-    for p in ["2", "3", "4"] {
-        m.inc_by("agent_shed_total", &[("priority", p)], 0.0);
-    }
-    m.describe(
+    m.counter_from_zero(
         "agent_reserve_refusals_total",
-        "counter",
         "Requests answered 429 quota_exhausted with limit reserve (what was left of the window is kept for more important priorities), by priority",
+        "priority",
+        &["1", "2", "3", "4"],
     );
-    for p in ["1", "2", "3", "4"] {
-        m.inc_by("agent_reserve_refusals_total", &[("priority", p)], 0.0);
-    }
 }
 
 /// `GET /readyz`: Redis answers and runs with `maxmemory-policy noeviction`.
@@ -274,7 +270,6 @@ pub(crate) async fn status(State(app): State<StatusView>) -> impl IntoResponse {
             let p = q.policy();
             let age = v.at.map(|t| t.elapsed().as_millis() as i64).unwrap_or(0);
             let mode = crate::gauges::mode(reachable, p, &v);
-            let policy_age_ms = q.confirmed.age_ms(now_ms);
             json!({
                 "tenant": q.tenant,
                 "resource": q.resource,
@@ -290,8 +285,8 @@ pub(crate) async fn status(State(app): State<StatusView>) -> impl IntoResponse {
                     "fallback_allowance": p.fallback_allowance, "version": p.version,
                     "on_stale": p.on_stale,
                 })),
-                "policy_age_secs": policy_age_ms.map(|ms| ms / 1000),
-                "policy_stale": crate::stale::is_stale(policy_age_ms, app.max_policy_age, reachable),
+                "policy_age_secs": q.confirmed.age_ms(now_ms).map(|ms| ms / 1000),
+                "policy_stale": q.confirmed.stale(now_ms, app.max_policy_age, reachable),
             })
         })
         .collect();

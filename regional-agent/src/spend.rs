@@ -83,19 +83,23 @@ async fn learn(app: &Arc<Decider>, tenant: &str, resource: &str) -> Result<(Arc<
 /// (see [`crate::stale`]); then its `on_stale` says.
 fn if_stale(app: &Decider, q: &Quota, p: PolicyInfo) -> Result<PolicyInfo> {
     let max_age = app.settings.max_policy_age;
-    if max_age.is_none() {
+    // Only an unreachable allocator makes a policy stale: the decision path
+    // reads no clock while it answers.
+    let reachable = app.allocator_reachable();
+    if max_age.is_none() || reachable {
         return Ok(p);
     }
-    let age_ms = q.confirmed.age_ms(stale::now_ms());
-    let is_stale = stale::is_stale(age_ms, max_age, app.allocator_reachable());
-    let applied = stale::applied(is_stale, p.on_stale, p.fail_mode);
+    let now_ms = stale::now_ms();
+    let applied = stale::applied(q.confirmed.stale(now_ms, max_age, reachable), p.on_stale, p.fail_mode);
     if let Some(label) = applied.label() {
         app.metrics.inc("agent_stale_policy_decisions_total", &[("applied", label)]);
     }
     match applied {
         Applied::Fresh | Applied::Kept => Ok(p),
         Applied::Enforced => Ok(PolicyInfo { enforce: true, ..p }),
-        Applied::Refused => Err(Error::PolicyStale { age_secs: age_ms.unwrap_or(0) / 1000 }),
+        Applied::Refused => {
+            Err(Error::PolicyStale { age_secs: q.confirmed.age_ms(now_ms).unwrap_or(0) / 1000 })
+        }
     }
 }
 

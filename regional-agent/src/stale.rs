@@ -109,6 +109,11 @@ impl Confirmed {
         (at > 0).then(|| (now_ms - at).max(0))
     }
 
+    /// Whether the policy is stale at `now_ms` (see [`is_stale`]).
+    pub fn stale(&self, now_ms: i64, max_age: Option<Duration>, reachable: bool) -> bool {
+        is_stale(self.age_ms(now_ms), max_age, reachable)
+    }
+
     /// Whether a confirmation at `now_ms` should be written to Redis (the
     /// policy changed, or the last write is [`CONFIRM_WRITE_EVERY_MS`]
     /// old); records the write when it answers `true`.

@@ -106,6 +106,21 @@ impl Registry {
         Key::from_parts(name, set.into_iter().map(|(k, v)| Label::new(k, v)).collect::<Vec<_>>())
     }
 
+    /// Declares a counter family with one label and starts the series of
+    /// each of `values` at 0, so that `increase()` sees their first event.
+    pub fn counter_from_zero(
+        &self,
+        name: &'static str,
+        help: &'static str,
+        label: &'static str,
+        values: &[&str],
+    ) {
+        self.describe(name, "counter", help);
+        for v in values {
+            self.inc_by(name, &[(label, v)], 0.0);
+        }
+    }
+
     /// Adds `v` (a whole, non-negative number) to a counter; 0 makes the
     /// series appear at 0.
     pub fn inc_by(&self, name: &'static str, labels: &[(&'static str, &str)], v: f64) {
