@@ -1,6 +1,6 @@
 //! The allocator's one error enum and its mapping to HTTP (DESIGN §5):
-//! 400 malformed JSON, 401 token, 403 credential of another region, 404 unknown quota or lease, 409 stale epoch
-//! or idempotency mismatch, 412 version precondition, 413 body too large,
+//! 400 malformed JSON, 401 token, 403 credential of another region, 404 unknown quota or lease, 409 stale epoch,
+//! idempotency mismatch, or a quota of the other kind (`concurrency_policy`, `rate_policy`), 412 version precondition, 413 body too large,
 //! 422 invalid value (naming the field, and the report item when one is at
 //! fault) or a report item beyond the retention horizon (`report_expired`),
 //! 503 database unavailable. Internal errors are logged
@@ -51,6 +51,13 @@ pub enum Error {
     /// I3: a known idempotency key with a different body.
     #[error("{0}")]
     IdempotencyMismatch(String),
+    /// A grant asked of a concurrency quota: its permits are leased, not
+    /// granted.
+    #[error("quota {0} is a concurrency policy: its permits are leased through POST /v1/permits/lease, not granted")]
+    ConcurrencyPolicy(String),
+    /// A permit lease (or view) asked of a rate quota: it has no permits.
+    #[error("quota {0} is a rate policy: it has no permits; its tokens are granted through POST /v1/grants")]
+    RatePolicy(String),
     /// `If-Match` named a version that is no longer current.
     #[error("policy version is {current}, If-Match asked for {expected}")]
     VersionMismatch { expected: String, current: i64 },
@@ -126,7 +133,10 @@ impl Error {
             Error::UnknownQuota(_) | Error::UnknownLease(_) | Error::UnknownAgent(_) | Error::NoRoute(_) => {
                 StatusCode::NOT_FOUND
             }
-            Error::StaleEpoch { .. } | Error::IdempotencyMismatch(_) => StatusCode::CONFLICT,
+            Error::StaleEpoch { .. }
+            | Error::IdempotencyMismatch(_)
+            | Error::ConcurrencyPolicy(_)
+            | Error::RatePolicy(_) => StatusCode::CONFLICT,
             Error::VersionMismatch { .. } => StatusCode::PRECONDITION_FAILED,
             Error::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Error::DatabaseUnavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
@@ -150,6 +160,8 @@ impl Error {
             Error::NoRoute(_) => "not_found",
             Error::StaleEpoch { .. } => "stale_epoch",
             Error::IdempotencyMismatch(_) => "idempotency_mismatch",
+            Error::ConcurrencyPolicy(_) => "concurrency_policy",
+            Error::RatePolicy(_) => "rate_policy",
             Error::VersionMismatch { .. } => "version_mismatch",
             Error::PayloadTooLarge => "payload_too_large",
             Error::DatabaseUnavailable(_) => "database_unavailable",

@@ -31,7 +31,7 @@ use chrono::{DateTime, Utc};
 use futures::StreamExt;
 use quota_shared::wire::{
     ErrorBody, GrantBatchRequest, GrantBatchResponse, GrantItemAnswer, GrantRequest, GrantResponse, OnStale,
-    Reserve, MAX_GRANT_BATCH,
+    PolicyKind, Reserve, MAX_GRANT_BATCH,
 };
 use serde::Deserialize;
 use std::time::Instant;
@@ -133,7 +133,7 @@ async fn version_extras(state: &AppState, tenant: &str, resource: &str, version:
         (status = 401, description = "Missing or wrong agent token", body = ErrorBody),
         (status = 403, description = "wrong_region: the credential acts only for another region", body = ErrorBody),
         (status = 404, description = "Unknown quota or agent", body = ErrorBody),
-        (status = 409, description = "stale_epoch or idempotency_mismatch", body = ErrorBody),
+        (status = 409, description = "stale_epoch, idempotency_mismatch, or concurrency_policy (the quota is a concurrency policy: its permits are leased through POST /v1/permits/lease)", body = ErrorBody),
         (status = 422, description = "Invalid value; the message names the field (a batch with no items or more than 64 names `items`)", body = ErrorBody),
     ),
     security(("agent_token" = [])),
@@ -440,7 +440,18 @@ async fn try_grant(state: &AppState, req: &GrantRequest) -> Result<(Outcome, Dat
                 req.region, req.agent, req.epoch, req.seq, lease_id
             )))
         }
-        "unknown_quota" => Err(Error::UnknownQuota(format!("{}/{}", req.tenant, req.resource))),
+        // The statement reads a concurrency policy as none (it is never
+        // granted); telling the two apart costs a query on this miss only.
+        "unknown_quota" => {
+            let quota = format!("{}/{}", req.tenant, req.resource);
+            let kind = sqlx::query_file_scalar!("src/sql/policy_kind.sql", req.tenant, req.resource)
+                .fetch_optional(&state.db)
+                .await?;
+            match kind.as_deref().and_then(PolicyKind::parse) {
+                Some(PolicyKind::Concurrency) => Err(Error::ConcurrencyPolicy(quota)),
+                _ => Err(Error::UnknownQuota(quota)),
+            }
+        }
         "next_too_early" => Err(Error::invalid(
             "window",
             format!(

@@ -1,5 +1,6 @@
 //! The append-only ledger: every registration, grant, replay, refusal,
-//! release, report and policy change is one row, and `GET /v1/ledger` reads
+//! release, report, policy change and change of a region's permits is one
+//! row, and `GET /v1/ledger` reads
 //! them back in commit order with a cursor that is stable while events
 //! arrive and live while other connections hold transactions open.
 //!
@@ -38,6 +39,9 @@ pub enum Kind {
     Released,
     Reported,
     PolicyChanged,
+    /// A region's permit lease of a concurrency quota changed what it
+    /// holds (`tokens`: permits held now; see `crate::permits`).
+    PermitLease,
 }
 
 impl Kind {
@@ -50,6 +54,7 @@ impl Kind {
             Kind::Released => "released",
             Kind::Reported => "reported",
             Kind::PolicyChanged => "policy_changed",
+            Kind::PermitLease => "permit_lease",
         }
     }
 }
@@ -106,7 +111,10 @@ pub struct Event {
     /// Unique; draws from a sequence, so it is not the order of commits.
     pub id: i64,
     pub at: DateTime<Utc>,
-    /// `registered`, `granted`, `replayed`, `refused`, `released`, `reported`, `policy_changed`.
+    /// `registered`, `granted`, `replayed`, `refused`, `released`, `reported`, `policy_changed`,
+    /// `permit_lease` (a region's permits changed: `tokens` is what it holds
+    /// now, `detail.held_before` what it held before, `seq` the lease's new
+    /// sequence number).
     pub kind: String,
     pub tenant: Option<String>,
     pub resource: Option<String>,

@@ -26,6 +26,8 @@
 //!     answer from it without I/O.
 //!   * [`grants`]: the grant transaction (I1, I2, I3, I4).
 //!   * [`leases`]: releases and lease reads.
+//!   * [`permits`]: permit leases of concurrency quotas (a global
+//!     semaphore) and their view.
 //!   * [`reports`]: consumption and fallback reports, exactly once (I7).
 //!   * [`windows`]: per-window accounting with the overshoot bound (I6).
 //!   * [`fleet`]: each agent's latest self-reported status (for `/ui`).
@@ -79,6 +81,7 @@ pub mod http;
 pub mod leases;
 pub mod ledger;
 pub mod openapi;
+pub mod permits;
 pub mod policies;
 pub mod reload;
 pub mod reports;
@@ -135,6 +138,11 @@ pub fn registry() -> Registry {
         "allocator_release_batch_items_total",
         "counter",
         "Items of release requests in the batch form",
+    );
+    r.describe(
+        "allocator_permit_leases_total",
+        "counter",
+        "Permit lease requests by outcome (applied, conflict, or the error code)",
     );
     r.describe("allocator_db_connections", "gauge", "PostgreSQL pool connections by state (open, idle)");
     window_metrics::describe(&r);

@@ -3,7 +3,9 @@
 //! types, so the document cannot drift from the handlers' types. It is
 //! public: it describes the API, not any data.
 
-use crate::{agents, explain, fleet, grants, health, leases, ledger, policies, reports, ui, windows};
+use crate::{
+    agents, explain, fleet, grants, health, leases, ledger, permits, policies, reports, ui, windows,
+};
 use axum::Json;
 use quota_shared::openapi::IdentifierPatterns;
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
@@ -24,6 +26,8 @@ use utoipa::{Modify, OpenApi};
         leases::release_batch,
         leases::get_lease,
         reports::report,
+        permits::lease,
+        permits::view,
         windows::list,
         ledger::list,
         explain::explain,
@@ -123,13 +127,19 @@ impl Modify for RequestBounds {
         use utoipa::Number;
         let max = Number::Float(MAX_COUNT as f64);
         let day = Number::Float(86_400.0);
-        let bounds: [(&str, &str, f64, &Number); 24] = [
+        let in_flight = Number::Float(crate::policies::MAX_IN_FLIGHT as f64);
+        let bounds: [(&str, &str, f64, &Number); 29] = [
             ("PolicySpec", "limit", 1.0, &max),
             ("PolicySpec", "window_secs", 1.0, &day),
             ("PolicySpec", "chunk_min", 1.0, &max),
             ("PolicySpec", "chunk_max", 1.0, &max),
             ("PolicySpec", "lease_ttl_secs", 1.0, &day),
             ("PolicySpec", "fallback_per_region", 0.0, &max),
+            ("PolicySpec", "max_in_flight", 1.0, &in_flight),
+            ("PolicySpec", "permit_ttl_secs", 1.0, &day),
+            ("PermitLeaseRequest", "epoch", 1.0, &max),
+            ("PermitLeaseRequest", "seq", 0.0, &max),
+            ("PermitLeaseRequest", "want", 0.0, &in_flight),
             ("GrantRequest", "epoch", 1.0, &max),
             ("GrantRequest", "seq", 0.0, &max),
             ("GrantRequest", "want", 1.0, &max),
@@ -251,6 +261,32 @@ mod tests {
         for name in ["status", "lease", "error"] {
             assert!(answer[name].is_object(), "{name}: {answer}");
         }
+    }
+
+    #[test]
+    fn the_permit_routes_document_their_answers_and_bounds() {
+        let doc = serde_json::to_value(ApiDoc::openapi()).expect("json");
+        let lease = &doc["paths"]["/v1/permits/lease"]["post"];
+        for code in ["200", "400", "401", "403", "404", "409", "413", "415", "422", "503"] {
+            assert!(lease["responses"][code].is_object(), "{code}: {lease}");
+        }
+        let view = &doc["paths"]["/v1/permits/{tenant}/{resource}"]["get"];
+        for code in ["200", "401", "404", "409", "422", "503"] {
+            assert!(view["responses"][code].is_object(), "{code}: {view}");
+        }
+        let req = &doc["components"]["schemas"]["PermitLeaseRequest"]["properties"];
+        assert_eq!(req["tenant"]["pattern"], quota_shared::openapi::ID_PATTERN, "{req}");
+        assert_eq!(req["want"]["minimum"], 0.0, "{req}");
+        assert_eq!(req["want"]["maximum"], 1e6, "{req}");
+        assert_eq!(req["seq"]["minimum"], 0.0, "{req}");
+        for schema in ["PermitLease", "PermitView", "PermitRegion", "PolicyKind"] {
+            assert!(doc["components"]["schemas"][schema].is_object(), "{schema}");
+        }
+        let spec = &doc["components"]["schemas"]["PolicySpec"]["properties"];
+        assert_eq!(spec["max_in_flight"]["maximum"], 1e6, "{spec}");
+        assert_eq!(spec["permit_ttl_secs"]["maximum"], 86400.0, "{spec}");
+        let policy = &doc["components"]["schemas"]["Policy"]["properties"];
+        assert!(policy["kind"].is_object(), "{policy}");
     }
 
     #[test]

@@ -7,6 +7,13 @@
 //! `lease_ttl_secs = min(window_secs, 30)`, `fail_mode = bounded`,
 //! `fallback_per_region = limit / 100` in bounded mode and 0 in strict mode,
 //! no `per_key` bucket, `enforce = true`, `on_stale = keep`, no `reserve`.
+//!
+//! A concurrency policy (`kind: "concurrency"`, a global semaphore) takes
+//! `max_in_flight` (required), `permit_ttl_secs` (default 60) and
+//! `fail_mode`, and no field of a rate policy. It is stored in the same
+//! row: `limit_tokens` is `max_in_flight` and the rate columns hold fixed
+//! placeholders ([`concurrency_placeholders`]). A quota's kind never
+//! changes once written.
 
 use crate::error::{Error, Result};
 use crate::http::auth::Principal;
@@ -17,7 +24,9 @@ use axum::extract::State;
 use axum::http::HeaderMap;
 use axum::{Extension, Json};
 use chrono::{DateTime, Utc};
-use quota_shared::wire::{ErrorBody, FailMode, OnStale, PerKey, Policy, PolicySpec, Reserve, ReserveSpec};
+use quota_shared::wire::{
+    ErrorBody, FailMode, OnStale, PerKey, Policy, PolicyKind, PolicySpec, Reserve, ReserveSpec,
+};
 use serde::{Deserialize, Serialize};
 use sqlx::{PgConnection, PgPool};
 use utoipa::ToSchema;
@@ -25,6 +34,15 @@ use utoipa::ToSchema;
 /// Most versions one call lists: far more than any quota is edited, and a
 /// bound on the answer all the same.
 pub const MAX_VERSIONS: i64 = 10_000;
+
+/// Largest `max_in_flight` of a concurrency policy.
+pub const MAX_IN_FLIGHT: i64 = 1_000_000;
+
+/// Longest `permit_ttl_secs` of a concurrency policy (a day).
+pub const MAX_PERMIT_TTL_SECS: i64 = 86_400;
+
+/// `permit_ttl_secs` when a concurrency policy omits it.
+pub const DEFAULT_PERMIT_TTL_SECS: i64 = 60;
 
 /// One version of a policy, with who wrote it and when.
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
@@ -53,6 +71,11 @@ pub struct PolicyVersion {
     /// This version's reserves (`[{up_to_priority, pct}]`).
     #[schema(value_type = Vec<Reserve>)]
     pub reserve: serde_json::Value,
+    /// `rate` or `concurrency` (then `limit` is its `max_in_flight`).
+    pub kind: String,
+    /// Concurrency versions only: the life of a permit.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub permit_ttl_secs: Option<i32>,
     /// The token name of the writer: `admin`, or `anonymous/loopback`
     /// when no admin token is configured.
     pub changed_by: String,
@@ -86,6 +109,10 @@ pub struct PolicyRow {
     pub on_stale: String,
     /// `[{up_to_priority, pct}]`, validated when written.
     pub reserve: serde_json::Value,
+    /// `rate` or `concurrency` (checked by the schema).
+    pub kind: String,
+    /// Concurrency policies only (and always).
+    pub permit_ttl_secs: Option<i32>,
     pub version: i64,
     pub updated_at: DateTime<Utc>,
 }
@@ -94,6 +121,21 @@ impl PolicyRow {
     /// The policy's fail mode (the column is checked by the schema).
     pub fn fail_mode(&self) -> FailMode {
         FailMode::parse(&self.fail_mode).unwrap_or(FailMode::Strict)
+    }
+
+    /// The policy's kind (the column is checked by the schema).
+    pub fn kind(&self) -> PolicyKind {
+        PolicyKind::parse(&self.kind).unwrap_or_default()
+    }
+
+    /// `max_in_flight` and `permit_ttl_secs` of a concurrency policy.
+    pub fn concurrency(&self) -> Option<(i64, i64)> {
+        match self.kind() {
+            PolicyKind::Concurrency => {
+                Some((self.limit_tokens, self.permit_ttl_secs.map_or(DEFAULT_PERMIT_TTL_SECS, i64::from)))
+            }
+            PolicyKind::Rate => None,
+        }
     }
 
     /// Fallback allowance a region gets per window under this policy.
@@ -125,6 +167,9 @@ impl PolicyRow {
             enforce: self.enforce,
             on_stale: OnStale::parse(&self.on_stale).unwrap_or_default(),
             reserve: self.reserve(),
+            kind: self.kind(),
+            max_in_flight: self.concurrency().map(|c| c.0),
+            permit_ttl_secs: self.concurrency().map(|c| c.1),
             version: self.version,
             updated_at: self.updated_at,
         }
@@ -147,6 +192,9 @@ pub struct Resolved {
     pub enforce: bool,
     pub on_stale: OnStale,
     pub reserve: Vec<Reserve>,
+    pub kind: PolicyKind,
+    /// Concurrency policies only.
+    pub permit_ttl_secs: Option<i64>,
 }
 
 /// Checks a per-key bucket: `0.001 ≤ rate_per_sec ≤ 10⁹` (a whole number of
@@ -210,11 +258,109 @@ pub fn resolve_reserve(reserve: &[ReserveSpec]) -> Result<Vec<Reserve>> {
     Ok(sorted)
 }
 
-/// Fills defaults and validates: `window_secs` divides 86,400,
-/// `chunk_min ≤ chunk_max ≤ limit`, `1 ≤ lease_ttl_secs ≤ window_secs`,
-/// `0 ≤ fallback_per_region ≤ limit`, and no fallback in strict mode.
+/// Fills defaults and validates a spec of either kind (absent: rate); see
+/// [`resolve_rate`] and [`resolve_concurrency`].
 pub fn resolve(spec: &PolicySpec) -> Result<Resolved> {
+    match spec.kind.unwrap_or_default() {
+        PolicyKind::Rate => resolve_rate(spec),
+        PolicyKind::Concurrency => resolve_concurrency(spec),
+    }
+}
+
+/// The fields a concurrency policy does not take, each with whether the
+/// spec gives it (`limit` and `window_secs` read 0 when absent, `enforce`
+/// may be given as `true`, the only value a concurrency policy has).
+fn rate_only_fields(spec: &PolicySpec) -> [(&'static str, bool); 10] {
+    [
+        ("limit", spec.limit != 0),
+        ("window_secs", spec.window_secs != 0),
+        ("chunk_min", spec.chunk_min.is_some()),
+        ("chunk_max", spec.chunk_max.is_some()),
+        ("lease_ttl_secs", spec.lease_ttl_secs.is_some()),
+        ("fallback_per_region", spec.fallback_per_region.is_some()),
+        ("per_key", spec.per_key.is_some()),
+        ("enforce", spec.enforce == Some(false)),
+        ("on_stale", spec.on_stale.is_some()),
+        ("reserve", spec.reserve.is_some()),
+    ]
+}
+
+/// What a concurrency policy stores in the rate columns of its row:
+/// `(window_secs, chunk_min, chunk_max, lease_ttl_secs)`, chosen to meet
+/// the row's constraints (`limit_tokens` is `max_in_flight` ≥ 1). Nothing
+/// reads them: grants refuse the quota.
+pub fn concurrency_placeholders() -> (i64, i64, i64, i64) {
+    (86_400, 1, 1, 30)
+}
+
+/// A concurrency policy: `1 ≤ max_in_flight ≤ 1,000,000` (required),
+/// `1 ≤ permit_ttl_secs ≤ 86,400` (default 60), `fail_mode` as given (its
+/// fallback allowance is 0 in both modes), and no field of a rate policy.
+pub fn resolve_concurrency(spec: &PolicySpec) -> Result<Resolved> {
+    for (field, given) in rate_only_fields(spec) {
+        if given {
+            return Err(Error::invalid(
+                field,
+                "not a field of a concurrency policy (it takes max_in_flight, permit_ttl_secs and fail_mode)",
+            ));
+        }
+    }
+    let max_in_flight = spec.max_in_flight.ok_or_else(|| {
+        Error::invalid("max_in_flight", "required for a concurrency policy: the most permits held at once")
+    })?;
+    if !(1..=MAX_IN_FLIGHT).contains(&max_in_flight) {
+        return Err(Error::invalid(
+            "max_in_flight",
+            format!("must be between 1 and {MAX_IN_FLIGHT}, got {max_in_flight}"),
+        ));
+    }
+    let permit_ttl_secs = spec.permit_ttl_secs.unwrap_or(DEFAULT_PERMIT_TTL_SECS);
+    if !(1..=MAX_PERMIT_TTL_SECS).contains(&permit_ttl_secs) {
+        return Err(Error::invalid(
+            "permit_ttl_secs",
+            format!("must be between 1 and {MAX_PERMIT_TTL_SECS}, got {permit_ttl_secs}"),
+        ));
+    }
+    let (window_secs, chunk_min, chunk_max, lease_ttl_secs) = concurrency_placeholders();
+    Ok(Resolved {
+        limit: max_in_flight,
+        window_secs,
+        chunk_min,
+        chunk_max,
+        lease_ttl_secs,
+        fallback_per_region: 0,
+        fail_mode: spec.fail_mode.unwrap_or_default(),
+        per_key: None,
+        enforce: true,
+        on_stale: OnStale::Keep,
+        reserve: Vec::new(),
+        kind: PolicyKind::Concurrency,
+        permit_ttl_secs: Some(permit_ttl_secs),
+    })
+}
+
+/// A rate policy: fills defaults and validates: `limit` given,
+/// `window_secs` divides 86,400, `chunk_min ≤ chunk_max ≤ limit`,
+/// `1 ≤ lease_ttl_secs ≤ window_secs`, `0 ≤ fallback_per_region ≤ limit`,
+/// no fallback in strict mode, and no field of a concurrency policy.
+pub fn resolve_rate(spec: &PolicySpec) -> Result<Resolved> {
+    for (field, given) in
+        [("max_in_flight", spec.max_in_flight.is_some()), ("permit_ttl_secs", spec.permit_ttl_secs.is_some())]
+    {
+        if given {
+            return Err(Error::invalid(field, "not a field of a rate policy (only of kind \"concurrency\")"));
+        }
+    }
+    if spec.limit == 0 {
+        return Err(Error::invalid("limit", "required for a rate policy: tokens per window, at least 1"));
+    }
     check_count("limit", spec.limit, 1)?;
+    if spec.window_secs == 0 {
+        return Err(Error::invalid(
+            "window_secs",
+            "required for a rate policy: the window length, a positive divisor of 86400",
+        ));
+    }
     if !quota_shared::window::valid_window_secs(spec.window_secs) {
         return Err(Error::invalid(
             "window_secs",
@@ -267,7 +413,24 @@ pub fn resolve(spec: &PolicySpec) -> Result<Resolved> {
         lease_ttl_secs,
         fallback_per_region,
         fail_mode,
+        kind: PolicyKind::Rate,
+        permit_ttl_secs: None,
     })
+}
+
+/// Refuses to change a quota's kind (`was` is the stored one).
+pub fn check_kind_unchanged(tenant: &str, resource: &str, was: PolicyKind, now: PolicyKind) -> Result<()> {
+    if was == now {
+        return Ok(());
+    }
+    Err(Error::invalid(
+        "kind",
+        format!(
+            "quota {tenant}/{resource} is a {} policy; its kind cannot change (asked for {})",
+            was.as_str(),
+            now.as_str()
+        ),
+    ))
 }
 
 /// Loads the policy of a quota, if any.
@@ -364,7 +527,7 @@ pub(crate) async fn get_policy(
         (status = 200, description = "The policy with its new version", body = Policy),
         (status = 401, description = "Missing or wrong admin token", body = ErrorBody),
         (status = 412, description = "If-Match names a version that is no longer current", body = ErrorBody),
-        (status = 422, description = "Invalid value; the message names the field", body = ErrorBody),
+        (status = 422, description = "Invalid value; the message and `field` name the field (a field of the other kind of policy; `kind` when it differs from the quota's, which never changes)", body = ErrorBody),
     ),
     security(("admin_token" = [])),
     tag = "policies"
@@ -394,9 +557,10 @@ pub(crate) async fn put_policy(
     // Which pools are open (I9) is decided on the one clock (I8).
     let now = state.db_clock.now(&mut tx).await?;
     // The row lock serialises concurrent writers so versions stay strictly increasing.
-    let current = sqlx::query_file_scalar!("src/sql/policy_lock_version.sql", tenant, resource)
+    let locked = sqlx::query_file!("src/sql/policy_lock_version.sql", tenant, resource)
         .fetch_optional(&mut *tx)
         .await?;
+    let current = locked.as_ref().map(|l| l.version);
     if let Some(expected) = if_match {
         if current != Some(expected) {
             return Err(Error::VersionMismatch {
@@ -404,6 +568,9 @@ pub(crate) async fn put_policy(
                 current: current.unwrap_or(0),
             });
         }
+    }
+    if let Some(was) = locked.as_ref().map(|l| PolicyKind::parse(&l.kind).unwrap_or_default()) {
+        check_kind_unchanged(&tenant, &resource, was, r.kind)?;
     }
     let version = current.unwrap_or(0) + 1;
     tracing::Span::current().record("version", version);
@@ -426,7 +593,9 @@ pub(crate) async fn put_policy(
         r.per_key.map(|p| p.1),
         r.enforce,
         r.on_stale.as_str(),
-        serde_json::to_value(&r.reserve).map_err(|e| Error::Internal(Box::new(e)))?
+        serde_json::to_value(&r.reserve).map_err(|e| Error::Internal(Box::new(e)))?,
+        r.kind.as_str(),
+        r.permit_ttl_secs.map(|t| t as i32)
     )
     .fetch_one(&mut *tx)
     .await?;
@@ -434,16 +603,20 @@ pub(crate) async fn put_policy(
         .execute(&mut *tx)
         .await?;
     // I9: open and future pools take the new limit now; issued leases stay.
-    sqlx::query_file!(
-        "src/sql/pool_apply_policy.sql",
-        tenant,
-        resource,
-        r.limit,
-        row.fallback_allowance(),
-        now.timestamp()
-    )
-    .execute(&mut *tx)
-    .await?;
+    // A concurrency quota has no pools: a lowered max_in_flight takes
+    // effect as regions shrink their permit leases (see crate::permits).
+    if r.kind == PolicyKind::Rate {
+        sqlx::query_file!(
+            "src/sql/pool_apply_policy.sql",
+            tenant,
+            resource,
+            r.limit,
+            row.fallback_allowance(),
+            now.timestamp()
+        )
+        .execute(&mut *tx)
+        .await?;
+    }
     let detail = serde_json::to_value(row.to_wire()).map_err(|e| Error::Internal(Box::new(e)))?;
     ledger::append(
         &mut tx,
@@ -460,7 +633,7 @@ pub(crate) async fn put_policy(
     )
     .await?;
     tx.commit().await?;
-    tracing::info!(%tenant, %resource, version, limit = r.limit, "policy written");
+    tracing::info!(%tenant, %resource, version, kind = r.kind.as_str(), limit = r.limit, "policy written");
     Ok(Json(row.to_wire()))
 }
 
@@ -512,6 +685,83 @@ mod tests {
             (tiny.chunk_min, tiny.chunk_max, tiny.lease_ttl_secs, tiny.fallback_per_region),
             (1, 1, 1, 0)
         );
+    }
+
+    fn conc(max_in_flight: Option<i64>) -> PolicySpec {
+        PolicySpec { kind: Some(PolicyKind::Concurrency), max_in_flight, ..Default::default() }
+    }
+
+    #[test]
+    fn a_concurrency_policy_fills_its_placeholders_and_ttl() {
+        let r = resolve(&conc(Some(3))).unwrap();
+        assert_eq!(r.kind, PolicyKind::Concurrency);
+        assert_eq!((r.limit, r.permit_ttl_secs, r.fallback_per_region), (3, Some(60), 0));
+        assert_eq!((r.window_secs, r.chunk_min, r.chunk_max, r.lease_ttl_secs), concurrency_placeholders());
+        assert_eq!((r.enforce, r.on_stale, r.per_key, r.reserve.len()), (true, OnStale::Keep, None, 0));
+        let strict = PolicySpec {
+            fail_mode: Some(FailMode::Strict),
+            permit_ttl_secs: Some(86_400),
+            enforce: Some(true),
+            ..conc(Some(MAX_IN_FLIGHT))
+        };
+        let r = resolve(&strict).unwrap();
+        assert_eq!(
+            (r.fail_mode, r.permit_ttl_secs, r.limit),
+            (FailMode::Strict, Some(86_400), MAX_IN_FLIGHT)
+        );
+        // Absent kind: rate, as before.
+        assert_eq!(resolve(&spec(10, 60)).unwrap().kind, PolicyKind::Rate);
+        assert_eq!(resolve(&spec(10, 60)).unwrap().permit_ttl_secs, None);
+    }
+
+    #[test]
+    fn concurrency_rules_name_the_field() {
+        let c = || conc(Some(5));
+        let cases = [
+            (conc(None), "max_in_flight"),
+            (conc(Some(0)), "max_in_flight"),
+            (conc(Some(MAX_IN_FLIGHT + 1)), "max_in_flight"),
+            (PolicySpec { permit_ttl_secs: Some(0), ..c() }, "permit_ttl_secs"),
+            (PolicySpec { permit_ttl_secs: Some(86_401), ..c() }, "permit_ttl_secs"),
+            (PolicySpec { limit: 5, ..c() }, "limit"),
+            (PolicySpec { window_secs: 60, ..c() }, "window_secs"),
+            (PolicySpec { chunk_min: Some(1), ..c() }, "chunk_min"),
+            (PolicySpec { chunk_max: Some(1), ..c() }, "chunk_max"),
+            (PolicySpec { lease_ttl_secs: Some(1), ..c() }, "lease_ttl_secs"),
+            (PolicySpec { fallback_per_region: Some(0), ..c() }, "fallback_per_region"),
+            (pk(c(), 1.0, 1), "per_key"),
+            (PolicySpec { enforce: Some(false), ..c() }, "enforce"),
+            (PolicySpec { on_stale: Some(OnStale::Keep), ..c() }, "on_stale"),
+            (rs(c(), &[]), "reserve"),
+            // And the concurrency fields on a rate policy.
+            (PolicySpec { max_in_flight: Some(5), ..spec(100, 60) }, "max_in_flight"),
+            (PolicySpec { permit_ttl_secs: Some(5), ..spec(100, 60) }, "permit_ttl_secs"),
+            (PolicySpec { kind: Some(PolicyKind::Rate), ..spec(0, 60) }, "limit"),
+            (spec(100, 0), "window_secs"),
+        ];
+        for (s, field) in cases {
+            match resolve(&s) {
+                Err(Error::InvalidField { field: f, .. }) => assert_eq!(f, field, "{s:?}"),
+                other => panic!("{s:?}: {other:?}"),
+            }
+        }
+        match resolve(&spec(0, 60)) {
+            Err(e) => assert!(e.to_string().contains("required for a rate policy"), "{e}"),
+            Ok(r) => panic!("{r:?}"),
+        }
+    }
+
+    #[test]
+    fn a_quota_keeps_its_kind() {
+        assert!(check_kind_unchanged("a", "b", PolicyKind::Rate, PolicyKind::Rate).is_ok());
+        assert!(check_kind_unchanged("a", "b", PolicyKind::Concurrency, PolicyKind::Concurrency).is_ok());
+        match check_kind_unchanged("a", "b", PolicyKind::Rate, PolicyKind::Concurrency) {
+            Err(Error::InvalidField { field, message }) => {
+                assert_eq!(field, "kind");
+                assert!(message.contains("quota a/b is a rate policy; its kind cannot change"), "{message}");
+            }
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]

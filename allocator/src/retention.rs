@@ -26,6 +26,11 @@
 //! * an agent's status (the fleet pages' row, see [`crate::fleet`]) is
 //!   deleted once it was not refreshed for longer than the horizon; nothing
 //!   decides on it, and a live agent writes it again within seconds.
+//! * a permit lease of a concurrency quota (see [`crate::permits`]) is
+//!   deleted once it expired more than a day ago ([`PERMIT_LEASE_KEEP`]),
+//!   whatever the horizon: its permits were back in the pool from the
+//!   instant it expired, and a region that asks again starts from no lease
+//!   (its stale `seq` is answered with the lease's `seq` 0 first).
 //!
 //! Batches bound each statement's lock footprint and WAL burst; the pause
 //! between batches leaves the database to the grants. Cutoffs come from the
@@ -38,6 +43,10 @@ use sqlx::PgPool;
 
 /// `--retention-hours` by default.
 pub const DEFAULT_RETENTION_HOURS: u64 = 168;
+
+/// How long an expired permit lease is kept (its row says when it last
+/// held permits, for operators) before retention deletes it.
+pub const PERMIT_LEASE_KEEP: Duration = Duration::days(1);
 
 /// How the job runs.
 #[derive(Debug, Clone)]
@@ -85,6 +94,7 @@ pub struct Purged {
     pub pools: u64,
     pub agents: u64,
     pub agent_statuses: u64,
+    pub permit_leases: u64,
 }
 
 /// One kind of row the job deletes.
@@ -96,6 +106,7 @@ enum Step<'a> {
     Pools,
     Agents { region: &'a str },
     AgentStatuses,
+    PermitLeases,
 }
 
 impl Step<'_> {
@@ -108,6 +119,7 @@ impl Step<'_> {
             Step::Pools => "pools",
             Step::Agents { .. } => "agents",
             Step::AgentStatuses => "agent_statuses",
+            Step::PermitLeases => "permit_leases",
         }
     }
 }
@@ -133,6 +145,10 @@ async fn one_batch(db: &PgPool, step: Step<'_>, cutoff: DateTime<Utc>, batch: i6
             .await?
             .rows_affected(),
         Step::AgentStatuses => sqlx::query_file!("src/sql/retention_agent_status.sql", cutoff, batch)
+            .execute(db)
+            .await?
+            .rows_affected(),
+        Step::PermitLeases => sqlx::query_file!("src/sql/retention_permit_lease.sql", cutoff, batch)
             .execute(db)
             .await?
             .rows_affected(),
@@ -172,6 +188,7 @@ pub async fn purge(db: &PgPool, now: DateTime<Utc>, cfg: &Retention) -> Result<P
         leases: batches(db, Step::Leases, cutoff, cfg).await?,
         reports: batches(db, Step::Reports, cutoff, cfg).await?,
         agent_statuses: batches(db, Step::AgentStatuses, cutoff, cfg).await?,
+        permit_leases: batches(db, Step::PermitLeases, now - PERMIT_LEASE_KEEP, cfg).await?,
         ..Purged::default()
     };
     if let Some(wh) = cfg.window_horizon {
@@ -203,6 +220,7 @@ pub async fn run(db: PgPool, clock: DbClock, cfg: Retention) {
                 pools = p.pools,
                 agents = p.agents,
                 agent_statuses = p.agent_statuses,
+                permit_leases = p.permit_leases,
                 "retention purged rows"
             ),
             Ok(_) => {}

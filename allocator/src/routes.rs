@@ -4,8 +4,8 @@
 //! them all together.
 //!
 //! Route classes (DESIGN §5 Security): agent routes take the agent token;
-//! policy reads and writes, operator reads (windows, ledger, leases,
-//! explain) and the `/ui` dashboard take the admin token, presented only in
+//! policy reads and writes, operator reads (windows, permits, ledger,
+//! leases, explain) and the `/ui` dashboard take the admin token, presented only in
 //! the `Authorization` header (a token in a query string would end up in
 //! access logs and browser history), and are open only when no admin token
 //! is configured, which `serve` allows on loopback only; `/healthz`,
@@ -15,7 +15,7 @@ use crate::error::Error;
 use crate::http::{auth, metrics, trace};
 use crate::state::AppState;
 use crate::{
-    agents, explain, fleet, grants, health, leases, ledger, openapi, policies, reports, ui, windows,
+    agents, explain, fleet, grants, health, leases, ledger, openapi, permits, policies, reports, ui, windows,
 };
 use axum::extract::{DefaultBodyLimit, Request};
 use axum::middleware::from_fn_with_state;
@@ -40,12 +40,14 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/leases/{lease_id}/release", post(leases::release))
         .route("/v1/leases/release", post(leases::release_batch))
         .route("/v1/reports", post(reports::report))
+        .route("/v1/permits/lease", post(permits::lease))
         .route_layer(from_fn_with_state(state.auth.clone(), auth::require_agent));
     let admin_routes = Router::new()
         .route("/v1/policies/{tenant}/{resource}", put(policies::put_policy).get(policies::get_policy))
         .route("/v1/policies/{tenant}/{resource}/versions", get(policies::list_versions))
         .route("/v1/leases/{lease_id}", get(leases::get_lease))
         .route("/v1/windows/{tenant}/{resource}", get(windows::list))
+        .route("/v1/permits/{tenant}/{resource}", get(permits::view))
         .route("/v1/ledger", get(ledger::list))
         .route("/v1/explain/{tenant}/{resource}", get(explain::explain))
         .route("/ui", get(ui::index))

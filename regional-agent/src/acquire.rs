@@ -5,7 +5,7 @@
 //! same decision over gRPC.
 
 use crate::app::AppState;
-use crate::error::{Error, ErrorAnswer, Result};
+use crate::error::{Error, ErrorAnswer, PolicyRefusal, Result};
 use crate::quotas::PolicyInfo;
 use crate::request::{
     visible_ascii, Acquire, Paid, ResourceCost, MAX_COST, MAX_KEY_LEN, MAX_REQUEST_ID_LEN, MAX_RESOURCES,
@@ -204,9 +204,19 @@ pub(crate) async fn acquire(
     span.record("tenant", req.tenant.as_str());
     span.record("resource", req.wants.iter().map(|w| w.resource.as_str()).collect::<Vec<_>>().join(","));
     span.record("cost", req.wants.iter().map(|w| w.cost).sum::<i64>());
+    if !req.multi && app.permits.is_concurrency(&req.tenant, &req.wants[0].resource) {
+        return permit(&app, &req, started).await;
+    }
     // Boxed: the decision's future is deep (scripts, batches, waits), and
     // the handler's layout would exceed the compiler's query depth.
     let result = Box::pin(decide(&app.decider, &req, &mut policies)).await;
+    if let Err((Error::PolicyRefuses { reason: PolicyRefusal::ConcurrencyQuota, .. }, _)) = &result {
+        // The first acquire of a concurrency quota this replica sees: the
+        // grant answer named its kind.
+        if !req.multi && app.permits.is_concurrency(&req.tenant, &req.wants[0].resource) {
+            return permit(&app, &req, started).await;
+        }
+    }
     let now = app.clock.now_utc();
     let name = |i: usize| format!("{}/{}", req.tenant, req.wants[i].resource);
     // The quota the headers describe, its balance and its key's.
@@ -264,6 +274,15 @@ pub(crate) async fn acquire(
     tracing::debug!(remaining, "acquire answered");
     let policy = policies.get(i).copied();
     crate::headers::rate_limit_headers(resp.headers_mut(), &name(i), policy, remaining, key_remaining, now);
+    app.metrics.inc("agent_acquire_total", &[("outcome", outcome)]);
+    app.metrics.observe("agent_acquire_seconds", &[], started.elapsed().as_secs_f64());
+    resp
+}
+
+/// An acquire of one concurrency quota (see [`crate::permits`]).
+async fn permit(app: &AppState, req: &Acquire, started: Instant) -> Response {
+    let (resp, outcome) = Box::pin(crate::permits::http::acquire(app, req)).await;
+    tracing::Span::current().record("outcome", outcome);
     app.metrics.inc("agent_acquire_total", &[("outcome", outcome)]);
     app.metrics.observe("agent_acquire_seconds", &[], started.elapsed().as_secs_f64());
     resp
@@ -341,6 +360,13 @@ pub struct Admitted {
     /// With `resources`: one part per quota, in the request's order.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub results: Option<Vec<AdmittedPart>>,
+    /// A concurrency quota's permit (`source: "permit"`): release it with
+    /// `POST /v1/permits/{permit_id}/release`, extend it with `/renew`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub permit_id: Option<String>,
+    /// The permit's life from now (its policy's `permit_ttl_secs`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub permit_expires_in_ms: Option<i64>,
 }
 
 impl Admitted {
@@ -366,6 +392,27 @@ impl Admitted {
             limit: t.limit,
             policy_version: t.policy_version,
             results: multi.then(|| parts.to_vec()),
+            permit_id: None,
+            permit_expires_in_ms: None,
+        }
+    }
+
+    /// The answer of a permit handed out at `now`: `remaining` is what the
+    /// region's lease holds beyond the permits out, `window_start` the
+    /// hand-out instant.
+    pub(crate) fn permit(t: &crate::permits::lease::Taken, now: DateTime<Utc>) -> Admitted {
+        Admitted {
+            allowed: true,
+            source: "permit".into(),
+            window_start: now,
+            remaining: t.left,
+            key_remaining: None,
+            shadow_refused: None,
+            limit: None,
+            policy_version: Some(t.policy.version),
+            results: None,
+            permit_id: Some(t.permit_id.clone()),
+            permit_expires_in_ms: Some(t.expires_in_ms),
         }
     }
 }

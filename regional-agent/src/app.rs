@@ -56,6 +56,8 @@ pub struct App {
     pub fleet_status: Arc<FleetStatus>,
     /// The region's legacy gate (key layout upgrade, see [`crate::legacy`]).
     pub legacy: Arc<crate::legacy::Gate>,
+    /// Concurrency quotas and their permits (see [`crate::permits`]).
+    pub permits: Arc<crate::permits::Permits>,
     /// Stops the background tasks.
     pub cancel: CancellationToken,
     tasks: Tasks,
@@ -82,6 +84,8 @@ pub struct Decider {
     pub clock: Arc<dyn Clock>,
     /// Shedding by priority: the lines and the decisions in flight.
     pub shed: Arc<crate::shed::Shedder>,
+    /// Concurrency quotas: a decision on one answers as a policy refusal.
+    pub permits: Arc<crate::permits::Permits>,
     alloc: Arc<AllocatorClient>,
     alloc_clock: Arc<AllocatorClock>,
 }
@@ -132,6 +136,18 @@ impl App {
         let quotas: Arc<Quotas> = Arc::default();
         let registry = Arc::new(crate::registry::Registry::new(quotas.clone(), keys.clone()));
         let alloc_clock = Arc::new(AllocatorClock::new(clock.clone()));
+        let alloc = Arc::new(alloc);
+        let ident: Arc<Identity> = Arc::default();
+        let metrics = Arc::new(metrics);
+        let permits = Arc::new(crate::permits::Permits::new(
+            store.clone(),
+            keys.clone(),
+            alloc.clone(),
+            ident.clone(),
+            metrics.clone(),
+            &settings.region,
+            &settings.agent,
+        ));
         let decider = Arc::new(Decider {
             settings: settings.clone(),
             keys: keys.clone(),
@@ -141,11 +157,12 @@ impl App {
             guard: Arc::default(),
             local: Arc::default(),
             legacy: Arc::new(crate::legacy::Gate::new(settings.key_layout)),
-            ident: Arc::default(),
-            metrics: Arc::new(metrics),
+            ident,
+            metrics,
             clock: clock.clone(),
             shed: Arc::new(crate::shed::Shedder::new(settings.shed_in_flight, settings.shed_store_latency)),
-            alloc: Arc::new(alloc),
+            permits: permits.clone(),
+            alloc,
             alloc_clock: alloc_clock.clone(),
         });
         let d = &decider;
@@ -166,6 +183,7 @@ impl App {
             unknown: d.unknown.clone(),
             guard: d.guard.clone(),
             fleet_status: Arc::default(),
+            permits,
             cancel: CancellationToken::new(),
             tasks: Tasks::default(),
             decider,

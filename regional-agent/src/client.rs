@@ -14,8 +14,8 @@ use crate::breaker::Breaker;
 use quota_shared::pem;
 use quota_shared::wire::{
     AgentStatusReport, ErrorBody, GrantBatchRequest, GrantBatchResponse, GrantRequest, GrantResponse,
-    LeaseView, RegisterRequest, RegisterResponse, ReleaseBatchRequest, ReleaseBatchResponse, ReleaseRequest,
-    ReportRequest, ReportResponse,
+    LeaseView, PermitLease, PermitLeaseRequest, RegisterRequest, RegisterResponse, ReleaseBatchRequest,
+    ReleaseBatchResponse, ReleaseRequest, ReportRequest, ReportResponse,
 };
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -254,6 +254,11 @@ impl AllocatorClient {
         req: &ReleaseBatchRequest,
     ) -> Result<ReleaseBatchResponse, CallError> {
         self.post("/v1/leases/release", req).await
+    }
+
+    /// `POST /v1/permits/lease` (see [`crate::permits`]).
+    pub async fn permit_lease(&self, req: &PermitLeaseRequest) -> Result<PermitLease, CallError> {
+        self.post("/v1/permits/lease", req).await
     }
 
     /// `POST /v1/reports`.

@@ -22,6 +22,10 @@ pub enum PolicyRefusal {
     PrincipalMissing,
     /// The cost is above the per-key burst.
     CostAboveBurst,
+    /// The quota is a concurrency policy: its permits are taken alone by
+    /// `POST /v1/acquire` and given back by `release`, which neither a
+    /// request naming several quotas nor Envoy (which never releases) can do.
+    ConcurrencyQuota,
 }
 
 impl PolicyRefusal {
@@ -31,6 +35,7 @@ impl PolicyRefusal {
             PolicyRefusal::CostAboveLimit => "cost_above_limit",
             PolicyRefusal::PrincipalMissing => "principal_missing",
             PolicyRefusal::CostAboveBurst => "cost_above_burst",
+            PolicyRefusal::ConcurrencyQuota => "concurrency",
         }
     }
 }
@@ -74,6 +79,17 @@ pub enum Error {
     /// more important than the request's (the policy's `reserve`).
     #[error("what is left of quota {resource} for this window is reserved for more important priorities")]
     Reserved { resource: String, retry_after_ms: i64 },
+    /// Every permit of concurrency quota `resource` is held (in this
+    /// region, and the allocator has none left for it), or the region may
+    /// hand out none for a while (its Redis forgot which are held).
+    #[error("every permit of concurrency quota {resource} is held")]
+    ConcurrencyLimited { resource: String, retry_after_ms: i64 },
+    /// No live permit has this id (released, expired, or never handed out).
+    #[error("no live permit {0}")]
+    PermitNotFound(String),
+    /// The permit was handed out to another holder (`key`).
+    #[error("permit {0} is held by another key")]
+    NotHolder(String),
     /// The agent cannot reach the allocator and may not admit on its own.
     #[error("the allocator is unreachable and the quota's fallback allowance does not admit this request")]
     AllocatorUnreachable,
@@ -115,11 +131,12 @@ impl Error {
             Error::MalformedJson(_) => StatusCode::BAD_REQUEST,
             Error::InvalidField { .. } | Error::PolicyRefuses { .. } => StatusCode::UNPROCESSABLE_ENTITY,
             Error::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
-            Error::UnknownQuota(_) | Error::NoRoute(_) => StatusCode::NOT_FOUND,
-            Error::RequestIdMismatch(_) => StatusCode::CONFLICT,
-            Error::Exhausted { .. } | Error::KeyLimited { .. } | Error::Reserved { .. } => {
-                StatusCode::TOO_MANY_REQUESTS
-            }
+            Error::UnknownQuota(_) | Error::NoRoute(_) | Error::PermitNotFound(_) => StatusCode::NOT_FOUND,
+            Error::RequestIdMismatch(_) | Error::NotHolder(_) => StatusCode::CONFLICT,
+            Error::Exhausted { .. }
+            | Error::KeyLimited { .. }
+            | Error::Reserved { .. }
+            | Error::ConcurrencyLimited { .. } => StatusCode::TOO_MANY_REQUESTS,
             Error::AllocatorUnreachable
             | Error::PolicyStale { .. }
             | Error::StoreUnavailable
@@ -137,7 +154,11 @@ impl Error {
             Error::PayloadTooLarge => "payload_too_large",
             Error::UnknownQuota(_) => "unknown_quota",
             Error::RequestIdMismatch(_) => "request_id_mismatch",
-            Error::Exhausted { .. } | Error::Reserved { .. } => "quota_exhausted",
+            Error::Exhausted { .. } | Error::Reserved { .. } | Error::ConcurrencyLimited { .. } => {
+                "quota_exhausted"
+            }
+            Error::PermitNotFound(_) => "permit_not_found",
+            Error::NotHolder(_) => "not_holder",
             Error::KeyLimited { .. } => "per_key_limited",
             Error::AllocatorUnreachable => "allocator_unreachable",
             Error::PolicyStale { .. } => "policy_stale",
@@ -153,7 +174,8 @@ impl Error {
         match self {
             Error::Exhausted { retry_after_ms, .. }
             | Error::KeyLimited { retry_after_ms, .. }
-            | Error::Reserved { retry_after_ms, .. } => Some(retry_after_secs(*retry_after_ms)),
+            | Error::Reserved { retry_after_ms, .. }
+            | Error::ConcurrencyLimited { retry_after_ms, .. } => Some(retry_after_secs(*retry_after_ms)),
             Error::AllocatorUnreachable
             | Error::PolicyStale { .. }
             | Error::StoreUnavailable
@@ -206,6 +228,9 @@ impl IntoResponse for Error {
             Error::Exhausted { resource, .. } => (Some(resource.clone()), Some(resource.clone())),
             Error::KeyLimited { resource, .. } => (Some("per_key".to_string()), Some(resource.clone())),
             Error::Reserved { resource, .. } => (Some("reserve".to_string()), Some(resource.clone())),
+            Error::ConcurrencyLimited { resource, .. } => {
+                (Some("concurrency".to_string()), Some(resource.clone()))
+            }
             _ => (None, None),
         };
         let field = match &self {

@@ -98,7 +98,16 @@ pub fn router() -> Router<AppState> {
         title = "quota regional agent",
         description = "Admission decisions from leases spent in the region's Redis (DESIGN §5)."
     ),
-    paths(crate::acquire::acquire, status, healthz, readyz, metrics, openapi_json),
+    paths(
+        crate::acquire::acquire,
+        crate::permits::http::release,
+        crate::permits::http::renew,
+        status,
+        healthz,
+        readyz,
+        metrics,
+        openapi_json
+    ),
     modifiers(&IdentifierPatterns)
 )]
 pub struct ApiDoc;

@@ -68,6 +68,13 @@ pub mod suffix {
     /// Unleased tokens of a window's pool, the least a grant answer said
     /// (`room:<window start>`; for reserves).
     pub const POOL_ROOM: &str = "room:";
+    /// A concurrency quota's permit lease in the region (hash; see
+    /// `lua/permit.lua`).
+    pub const PERMIT_LEASE: &str = "pm";
+    /// Live permits (sorted set, score the expiry).
+    pub const PERMITS: &str = "pz";
+    /// Holders of the live permits (hash).
+    pub const PERMIT_HOLDERS: &str = "ph";
 
     /// Every suffix the scripts append (all but the Rust-only ones).
     pub const IN_SCRIPTS: &[&str] = &[
@@ -90,6 +97,9 @@ pub mod suffix {
         SHADOW,
         SERVER,
         POOL_ROOM,
+        PERMIT_LEASE,
+        PERMITS,
+        PERMIT_HOLDERS,
     ];
 }
 

@@ -278,6 +278,7 @@ pub mod keys;
 pub mod legacy;
 pub mod negative;
 pub mod outbox;
+pub mod permits;
 pub mod plan;
 pub mod quotas;
 pub mod redis_tls;
@@ -323,6 +324,7 @@ pub fn describe_metrics(m: &quota_shared::prom::Registry) {
     gauges::describe(m);
     status_report::describe(m);
     rls::describe(m);
+    permits::describe(m);
     ListenerMetrics::describe(m, app::LISTENER_OPEN, app::LISTENER_CLOSED, &["http", "grpc"]);
 }
 
@@ -339,6 +341,7 @@ pub fn router(app: AppState) -> Router {
         .on_failure(());
     Router::new()
         .merge(acquire::router())
+        .merge(permits::http::router())
         .merge(health::router())
         .fallback(|req: Request| async move { error::Error::NoRoute(req.uri().path().to_string()) })
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
@@ -481,6 +484,7 @@ async fn start_tasks(app: &AppState) -> OutboxKeep {
         async move { guard::run(&store, &guard, &metrics, every, &cancel).await }
     });
     app.spawn(epoch::run(Registrar::of(app)));
+    app.spawn(permits::lease::run(app.permits.clone(), app.cancel.clone()));
     app.spawn(outbox::run(parts.clone(), outboxes.clone()));
     if let Some(every) = app.settings.status_interval {
         app.spawn(status_report::run(Reporter::of(app), every));

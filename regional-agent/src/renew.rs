@@ -77,6 +77,8 @@ pub struct Renewer {
     pub quotas: Arc<Quotas>,
     /// A 404 puts the quota's name here.
     pub unknown: Arc<Unknown>,
+    /// A `concurrency_policy` answer puts the quota here.
+    pub permits: Arc<crate::permits::Permits>,
     pub ident: Arc<Identity>,
     pub metrics: Arc<Registry>,
     pub cancel: CancellationToken,
@@ -95,6 +97,7 @@ impl Renewer {
             clock: app.clock.clone(),
             quotas: app.quotas.clone(),
             unknown: app.unknown.clone(),
+            permits: app.permits.clone(),
             ident: app.ident.clone(),
             metrics: app.metrics.clone(),
             cancel: app.cancel.clone(),
@@ -391,6 +394,14 @@ async fn grant(app: &Renewer, q: &Arc<Quota>, sel: WindowSel, want: i64, rate: f
                 *q.unknown_until.lock().unwrap() = Some(Instant::now() + Duration::from_secs(2));
             }
             "unknown_quota"
+        }
+        Err(e) if e.code() == Some("concurrency_policy") => {
+            // A concurrency quota: its permits are leased by
+            // `crate::permits`, not by this renewer.
+            if app.permits.mark(&q.tenant, &q.resource).is_some() {
+                app.quotas.remove(q);
+            }
+            "concurrency_policy"
         }
         Err(e) if e.code() == Some("stale_epoch") => {
             // Only an answer to the current epoch's request says this

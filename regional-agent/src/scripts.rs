@@ -46,6 +46,10 @@ static LEGACY: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("../
 /// `lua/shadow.lua`: counts a request a shadow-mode policy would have refused.
 static SHADOW: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("../lua/shadow.lua")));
 
+/// `lua/permit.lua`: the permits of a concurrency quota in the region.
+static PERMIT: LazyLock<Script> =
+    LazyLock::new(|| Script::new(&format!("{PRELUDE}\n{}", include_str!("../lua/permit.lua"))));
+
 /// The quota a script runs on, as the agent knows it.
 #[derive(Debug, Clone, Copy)]
 pub struct On<'a> {
@@ -743,4 +747,176 @@ mod tests {
             );
         }
     }
+}
+
+/// What `lua/permit.lua` says of a hand-out.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PermitTake {
+    /// Handed out (`dup`: the same id was handed out before, by a retried
+    /// request): expires in `expires_in_ms`; `left` more may be handed out
+    /// under the region's current lease.
+    Taken { expires_in_ms: i64, left: i64, dup: bool },
+    /// The region's permit state is missing or was written on another
+    /// server history: sync with the allocator first.
+    Lost,
+    /// Nothing is handed out for `ms` more (permits a lost state forgot may
+    /// still be held).
+    Blocked { ms: i64 },
+    /// The lease ends before a permit handed out now would.
+    Lease { live: i64, cap: i64 },
+    /// Every permit the region holds is handed out.
+    Full { live: i64, cap: i64 },
+}
+
+/// What `lua/permit.lua` says of a release or a renewal.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PermitReturn {
+    Released,
+    /// Renewed; expires in this many ms.
+    Renewed {
+        expires_in_ms: i64,
+    },
+    /// Not live: released before, expired, or never handed out here.
+    Gone,
+    /// Handed out to another holder (`key`).
+    NotHolder,
+}
+
+/// The region's permit state of a quota, as `plan` and `lower` read it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PermitState {
+    /// The lease's sequence number the region applied.
+    pub seq: i64,
+    /// Permits the allocator holds for the region (as last applied).
+    pub cap: i64,
+    /// Live permits.
+    pub live: i64,
+    /// ms until the lease ends (≤ 0: ended).
+    pub lease_in_ms: i64,
+    /// ms until hand-outs resume (≤ 0: not blocked).
+    pub blocked_in_ms: i64,
+}
+
+fn permit_invocation(prefix: &str, op: &str) -> ScriptInvocation<'static> {
+    let mut inv = PERMIT.prepare_invoke();
+    inv.key(Keys::incarnation(prefix)).arg(prefix).arg(op);
+    inv
+}
+
+fn permit_state(r: &Reply) -> Option<PermitState> {
+    (r.str(0) == "state").then(|| PermitState {
+        seq: r.int(1),
+        cap: r.int(2),
+        live: r.int(3),
+        lease_in_ms: r.int(4),
+        blocked_in_ms: r.int(5),
+    })
+}
+
+/// Hands out permit `id` for `ttl_ms` to `holder` (`""`: none).
+#[tracing::instrument(level = "debug", skip_all)]
+pub async fn permit_take(
+    store: &Store,
+    prefix: &str,
+    id: &str,
+    ttl_ms: i64,
+    holder: &str,
+) -> Result<PermitTake, StoreError> {
+    let mut inv = permit_invocation(prefix, "acquire");
+    inv.arg(id).arg(ttl_ms).arg(holder);
+    let r: Reply = store.eval(&inv).await?;
+    Ok(match r.str(0).as_str() {
+        "ok" => PermitTake::Taken { expires_in_ms: r.int(1), left: r.int(2), dup: false },
+        "dup" => PermitTake::Taken { expires_in_ms: r.int(1), left: r.int(2), dup: true },
+        "blocked" => PermitTake::Blocked { ms: r.int(1) },
+        "lease" => PermitTake::Lease { live: r.int(1), cap: r.int(2) },
+        "full" => PermitTake::Full { live: r.int(1), cap: r.int(2) },
+        _ => PermitTake::Lost,
+    })
+}
+
+/// Releases permit `id`, or renews it for `ttl_ms` (never past the lease).
+#[tracing::instrument(level = "debug", skip_all)]
+pub async fn permit_return(
+    store: &Store,
+    prefix: &str,
+    id: &str,
+    renew_ttl_ms: Option<i64>,
+    holder: &str,
+) -> Result<PermitReturn, StoreError> {
+    let inv = match renew_ttl_ms {
+        None => {
+            let mut inv = permit_invocation(prefix, "release");
+            inv.arg(id).arg(holder);
+            inv
+        }
+        Some(ttl) => {
+            let mut inv = permit_invocation(prefix, "renew");
+            inv.arg(id).arg(ttl).arg(holder);
+            inv
+        }
+    };
+    let r: Reply = store.eval(&inv).await?;
+    Ok(match r.str(0).as_str() {
+        "released" => PermitReturn::Released,
+        "renewed" => PermitReturn::Renewed { expires_in_ms: r.int(1) },
+        "not_holder" => PermitReturn::NotHolder,
+        _ => PermitReturn::Gone,
+    })
+}
+
+/// The region's permit state (`None`: lost, see [`PermitTake::Lost`]);
+/// with `lower_to`, first lowers the region's cap to it (never below the
+/// live permits) before the allocator is told.
+#[tracing::instrument(level = "debug", skip_all)]
+pub async fn permit_state_of(
+    store: &Store,
+    prefix: &str,
+    lower_to: Option<i64>,
+) -> Result<Option<PermitState>, StoreError> {
+    let inv = match lower_to {
+        None => permit_invocation(prefix, "plan"),
+        Some(target) => {
+            let mut inv = permit_invocation(prefix, "lower");
+            inv.arg(target);
+            inv
+        }
+    };
+    let r: Reply = store.eval(&inv).await?;
+    Ok(permit_state(&r))
+}
+
+/// Applies an allocator answer to the request sent at `seq`: `false` when
+/// the state moved on meanwhile (another replica applied a newer one).
+#[tracing::instrument(level = "debug", skip_all)]
+pub async fn permit_apply(
+    store: &Store,
+    prefix: &str,
+    seq: i64,
+    new_seq: i64,
+    held: i64,
+    lease_ms: i64,
+) -> Result<bool, StoreError> {
+    let mut inv = permit_invocation(prefix, "apply");
+    inv.arg(seq).arg(new_seq).arg(held).arg(lease_ms);
+    let r: Reply = store.eval(&inv).await?;
+    Ok(r.str(0) == "applied")
+}
+
+/// Takes the allocator's lease as it is (a conflict's answer, or the first
+/// answer after a lost state), blocking hand-outs for `block_ms`.
+#[tracing::instrument(level = "debug", skip_all)]
+pub async fn permit_sync(
+    store: &Store,
+    prefix: &str,
+    seq: i64,
+    held: i64,
+    lease_ms: i64,
+    block_ms: i64,
+    force: bool,
+) -> Result<bool, StoreError> {
+    let mut inv = permit_invocation(prefix, "sync");
+    inv.arg(seq).arg(held).arg(lease_ms).arg(block_ms).arg(flag(force));
+    let r: Reply = store.eval(&inv).await?;
+    Ok(r.str(0) == "synced")
 }

@@ -36,11 +36,27 @@ async fn wait_renewal(q: &Quota, cost: i64, d: Duration) {
     let _ = tokio::time::timeout(d, n).await;
 }
 
+/// A decision on a concurrency quota: its permits are taken alone by
+/// `POST /v1/acquire` (which answers before it gets here) and released,
+/// which a request naming several quotas, or Envoy, cannot do.
+fn concurrency(tenant: &str, resource: &str) -> Error {
+    Error::PolicyRefuses {
+        field: "resource".into(),
+        reason: PolicyRefusal::ConcurrencyQuota,
+        message: format!(
+            "{tenant}/{resource} is a concurrency quota: acquire its permit alone (one `resource`, cost 1) and release it"
+        ),
+    }
+}
+
 /// A quota of the request with its policy, learned if need be.
 async fn learn(app: &Arc<Decider>, tenant: &str, resource: &str) -> Result<(Arc<Quota>, PolicyInfo)> {
     let unknown = || Error::UnknownQuota(format!("{tenant}/{resource}"));
     if app.unknown.contains(tenant, resource) {
         return Err(unknown());
+    }
+    if app.permits.is_concurrency(tenant, resource) {
+        return Err(concurrency(tenant, resource));
     }
     let q = app.registry.quota(tenant, resource).ok_or(Error::TooManyQuotas)?;
     *q.last_used.lock().unwrap() = Instant::now();
@@ -61,6 +77,7 @@ async fn learn(app: &Arc<Decider>, tenant: &str, resource: &str) -> Result<(Arc<
         while q.policy().is_none()
             && !q.unknown()
             && !app.unknown.contains(tenant, resource)
+            && !app.permits.is_concurrency(tenant, resource)
             && Instant::now() < deadline
         {
             wait_renewal(&q, 1, deadline.saturating_duration_since(Instant::now())).await;
@@ -72,6 +89,9 @@ async fn learn(app: &Arc<Decider>, tenant: &str, resource: &str) -> Result<(Arc<
     }
     if q.unknown() || app.unknown.contains(tenant, resource) {
         return Err(unknown());
+    }
+    if app.permits.is_concurrency(tenant, resource) {
+        return Err(concurrency(tenant, resource));
     }
     let Some(p) = policy else {
         return Err(Error::AllocatorUnreachable);
@@ -163,7 +183,17 @@ pub(crate) async fn decide(
     }
     let mut qs = Vec::with_capacity(req.wants.len());
     for (i, w) in req.wants.iter().enumerate() {
-        let (q, p) = learn(app, &req.tenant, &w.resource).await.map_err(|e| (e, Some(i)))?;
+        let (q, p) = learn(app, &req.tenant, &w.resource).await.map_err(|e| match e {
+            Error::PolicyRefuses { reason: PolicyRefusal::ConcurrencyQuota, message, .. } => (
+                Error::PolicyRefuses {
+                    field: req.field("resource").into(),
+                    reason: PolicyRefusal::ConcurrencyQuota,
+                    message,
+                },
+                Some(i),
+            ),
+            e => (e, Some(i)),
+        })?;
         // Known before the stale check, so that its refusal is counted
         // against the quota's version like any other.
         policies.push(p);

@@ -12,6 +12,8 @@ use std::collections::BTreeSet;
 /// listed here), fails.
 const ROUTES: &[(&str, &str)] = &[
     ("post", "/v1/acquire"),
+    ("post", "/v1/permits/{permit_id}/renew"),
+    ("post", "/v1/permits/{permit_id}/release"),
     ("get", "/v1/status"),
     ("get", "/healthz"),
     ("get", "/readyz"),
@@ -54,8 +56,19 @@ async fn openapi_documents_exactly_the_agent_routes_and_each_is_served() {
         assert!(admitted.get(field).is_some(), "the answer's {field} is not in the schema: {admit}");
     }
 
+    // A permit of a concurrency quota for the permit routes.
+    w.policy("atlas", "jobs", json!({"kind": "concurrency", "max_in_flight": 2})).await;
+    let permit =
+        a.http.post("/v1/acquire", &json!({"tenant": "atlas", "resource": "jobs"})).await.expect(200).body;
+    for field in permit.as_object().unwrap().keys() {
+        assert!(admitted.get(field).is_some(), "the answer's {field} is not in the schema: {permit}");
+    }
+    let permit_id = permit["permit_id"].as_str().expect("permit_id");
     for (method, path) in ROUTES {
         let r = match *method {
+            "post" if path.starts_with("/v1/permits") => {
+                a.http.post(&path.replace("{permit_id}", permit_id), &json!({})).await
+            }
             "post" => a.http.post(path, &json!({"tenant": "atlas", "resource": "read"})).await,
             _ => a.http.get(path).await,
         };

@@ -77,6 +77,122 @@ impl OnStale {
     }
 }
 
+/// What a policy limits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[cfg_attr(feature = "service", derive(utoipa::ToSchema))]
+#[serde(rename_all = "lowercase")]
+pub enum PolicyKind {
+    /// Tokens per UTC window, leased to regions and spent (the default).
+    #[default]
+    Rate,
+    /// Permits held at once (a global semaphore): leased to regions,
+    /// handed out by agents, returned when released or expired.
+    Concurrency,
+}
+
+impl PolicyKind {
+    /// The name stored in the database and shown on the wire.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PolicyKind::Rate => "rate",
+            PolicyKind::Concurrency => "concurrency",
+        }
+    }
+
+    /// Parses the stored name.
+    pub fn parse(s: &str) -> Option<PolicyKind> {
+        match s {
+            "rate" => Some(PolicyKind::Rate),
+            "concurrency" => Some(PolicyKind::Concurrency),
+            _ => None,
+        }
+    }
+}
+
+/// How much longer than a permit's TTL a region's permit lease lasts: the
+/// agent hands out a permit only when its lease outlives the permit, so a
+/// region cut off from the allocator can hand out full-length permits for
+/// this long after its last renewal, and a region that vanishes strands
+/// its permits for at most `permit_ttl_secs` + this.
+pub const PERMIT_LEASE_SLACK_SECS: i64 = 30;
+
+/// `POST /v1/permits/lease` body (agent → allocator): set the number of
+/// permits region `region` holds for a concurrency quota to `want`, if the
+/// region's lease is still at `seq` (compare-and-set: the replicas of a
+/// region share one lease, and an answer applied late must not undo a
+/// newer one). Every applied request renews the lease.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[cfg_attr(feature = "service", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct PermitLeaseRequest {
+    pub tenant: String,
+    pub resource: String,
+    pub region: String,
+    pub agent: String,
+    /// The agent's registered epoch (fenced as for grants).
+    pub epoch: i64,
+    /// The lease's sequence number as the region last applied it (0: the
+    /// region knows of no lease).
+    pub seq: i64,
+    /// Permits the region wants to hold, 0 to `max_in_flight`. Less than
+    /// it holds: the rest return to the pool at once. More: granted up to
+    /// what the other regions' live leases leave.
+    pub want: i64,
+}
+
+/// `POST /v1/permits/lease` answer.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[cfg_attr(feature = "service", derive(utoipa::ToSchema))]
+pub struct PermitLease {
+    pub tenant: String,
+    pub resource: String,
+    pub region: String,
+    /// The lease's sequence number now (the `seq` of the next request).
+    pub seq: i64,
+    /// Permits the region holds now (0 once its lease expired).
+    pub held: i64,
+    /// Remaining life of the lease (ms): `permit_ttl_secs` +
+    /// [`PERMIT_LEASE_SLACK_SECS`] after an applied request, what is left
+    /// of it after a conflict, 0 when it expired.
+    pub lease_ms: i64,
+    /// `true`: the request's `seq` was not the lease's; nothing changed,
+    /// and the answer is the lease as it is.
+    pub conflict: bool,
+    pub max_in_flight: i64,
+    pub permit_ttl_secs: i64,
+    pub fail_mode: FailMode,
+    /// The policy version the answer was made under.
+    pub version: i64,
+}
+
+/// One region's permit lease as operators see it.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[cfg_attr(feature = "service", derive(utoipa::ToSchema))]
+pub struct PermitRegion {
+    pub region: String,
+    /// Permits the region holds (0 once expired).
+    pub held: i64,
+    pub seq: i64,
+    pub expires_at: DateTime<Utc>,
+    pub updated_at: DateTime<Utc>,
+}
+
+/// `GET /v1/permits/{tenant}/{resource}` answer: where a concurrency
+/// quota's permits are.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[cfg_attr(feature = "service", derive(utoipa::ToSchema))]
+pub struct PermitView {
+    pub tenant: String,
+    pub resource: String,
+    pub max_in_flight: i64,
+    pub permit_ttl_secs: i64,
+    pub version: i64,
+    /// Permits held by regions whose lease is live (never above
+    /// `max_in_flight` unless the limit was lowered since).
+    pub held: i64,
+    pub regions: Vec<PermitRegion>,
+}
+
 /// A reserve as a policy PUT gives it (unknown fields refused); see
 /// [`Reserve`].
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
@@ -131,10 +247,26 @@ impl Reserve {
 #[cfg_attr(feature = "service", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct PolicySpec {
-    /// `G`: tokens per window.
+    /// `rate` (default: `limit` tokens per window) or `concurrency`
+    /// (`max_in_flight` permits held at once, returned when released).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kind: Option<PolicyKind>,
+    /// `G`: tokens per window (required for a rate policy, absent from a
+    /// concurrency one).
+    #[serde(default)]
     pub limit: i64,
-    /// Window length in seconds; must divide 86,400.
+    /// Window length in seconds; must divide 86,400 (required for a rate
+    /// policy, absent from a concurrency one).
+    #[serde(default)]
     pub window_secs: i64,
+    /// Concurrency policies: the most permits live at once across every
+    /// region, 1 to 1,000,000.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_in_flight: Option<i64>,
+    /// Concurrency policies: the life of a permit that is neither released
+    /// nor renewed, 1 to 86,400 s (default 60).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub permit_ttl_secs: Option<i64>,
     /// Smallest chunk granted while tokens remain.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub chunk_min: Option<i64>,
@@ -227,6 +359,17 @@ pub struct Policy {
     pub on_stale: OnStale,
     /// Shares of each window kept for the important priorities.
     pub reserve: Vec<Reserve>,
+    /// `rate` or `concurrency` (absent from an older allocator's answers:
+    /// `rate`). A concurrency policy's `limit` is its `max_in_flight`;
+    /// its window fields are unused.
+    #[serde(default)]
+    pub kind: PolicyKind,
+    /// Concurrency policies only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_in_flight: Option<i64>,
+    /// Concurrency policies only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub permit_ttl_secs: Option<i64>,
     /// Strictly increasing per quota.
     pub version: i64,
     pub updated_at: DateTime<Utc>,

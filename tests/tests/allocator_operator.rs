@@ -360,6 +360,8 @@ const ROUTES: &[(&str, &str, Class)] = &[
     ("post", "/v1/leases/release", Class::Agent),
     ("post", "/v1/reports", Class::Agent),
     ("put", "/v1/agents/{region}/{agent}/status", Class::Agent),
+    ("post", "/v1/permits/lease", Class::Agent),
+    ("get", "/v1/permits/{tenant}/{resource}", Class::Admin),
     ("put", "/v1/policies/{tenant}/{resource}", Class::Admin),
     ("get", "/v1/policies/{tenant}/{resource}", Class::Admin),
     ("get", "/v1/policies/{tenant}/{resource}/versions", Class::Admin),
@@ -384,9 +386,11 @@ enum Class {
 }
 
 async fn call(http: &Http, method: &str, template: &str, lease_id: &str, epoch: i64) -> Resp {
+    // The permit routes take a concurrency quota (atlas/jobs).
+    let resource = if template.starts_with("/v1/permits") { "jobs" } else { "read" };
     let path = template
         .replace("{tenant}", "atlas")
-        .replace("{resource}", "read")
+        .replace("{resource}", resource)
         .replace("{lease_id}", lease_id)
         .replace("{region}", "eu")
         .replace("{agent}", "eu-1");
@@ -398,6 +402,11 @@ async fn call(http: &Http, method: &str, template: &str, lease_id: &str, epoch: 
         }
         ("post", "/v1/reports") => {
             http.post(&path, &report_body("eu", epoch, "auth-r", &json!("2026-12-02T10:00:00Z"), 0, 0)).await
+        }
+        ("post", "/v1/permits/lease") => {
+            let body = json!({"tenant": "atlas", "resource": "jobs", "region": "eu", "agent": "eu-1",
+                "epoch": epoch, "seq": 0, "want": 0});
+            http.post(&path, &body).await
         }
         ("post", "/v1/leases/release") => {
             http.post(&path, &json!({"items": [{"lease_id": lease_id, "epoch": epoch, "unspent": 0}]})).await
@@ -421,6 +430,7 @@ async fn auth_matrix_covers_every_route_with_no_wrong_agent_and_admin_tokens() {
     let agent = anon.with_token(Some("agent-secret"));
     let admin = anon.with_token(Some("admin-secret"));
     put_policy(&admin, "atlas", "read", json!({"limit": 100, "window_secs": 60})).await;
+    put_policy(&admin, "atlas", "jobs", json!({"kind": "concurrency", "max_in_flight": 3})).await;
     let epoch = register(&agent, "eu", "eu-1").await;
     let g = grant(&agent, &grant_body("atlas", "read", "eu", "eu-1", epoch, 1, 1, 1.0)).await.expect(200);
     let lease_id = g.body["lease_id"].as_str().unwrap().to_string();

@@ -380,6 +380,8 @@ mod assemble_tests {
             enforce: true,
             on_stale: "keep".into(),
             reserve: serde_json::json!([]),
+            kind: "rate".into(),
+            permit_ttl_secs: None,
             version: 3,
             updated_at: t(0),
         }
