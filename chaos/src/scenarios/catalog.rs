@@ -33,6 +33,10 @@ pub const SCENARIOS: &[(&str, &str)] = &[
     ("demand-skew", "DESIGN §4 skew and contention outcomes, rollover without a gap"),
     ("zombie", "an old agent incarnation keeps sending after its re-registration"),
     ("paused-agent", "an agent SIGSTOPped past its leases' life, then SIGCONTed"),
+    (
+        "export-concurrency",
+        "F27: exports capped at 3 in flight across regions: load, a dead holder, a double release, a partition",
+    ),
     ("netns-partition", "a region cut off at the kernel level (network namespace)"),
 ];
 

@@ -15,6 +15,7 @@
 //! plus the checks of its own (I1, I3, I4, ledger events, epochs).
 
 pub mod catalog;
+mod concurrency;
 mod faults;
 mod harness;
 mod netns;
@@ -76,6 +77,7 @@ async fn run_one(name: &str, p: &Profile, bins: &bins::Bins) -> Result<ScenarioR
         "demand-skew" => outcomes::demand_skew(p, b).await,
         "zombie" => faults::zombie(p, b).await,
         "paused-agent" => faults::paused_agent(p, b).await,
+        "export-concurrency" => concurrency::export_concurrency(p, b).await,
         "netns-partition" => faults::netns_partition(p, b).await,
         other => Err(format!("unknown scenario {other:?}; `quota-lab chaos --list` names them")),
     }

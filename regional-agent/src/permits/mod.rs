@@ -179,28 +179,33 @@ impl Permits {
     }
 }
 
-/// Declares the permit metrics.
+/// Declares the permit metrics, every series from 0 (so that `increase()`
+/// and the dashboard see the first event).
 pub fn describe(m: &Metrics) {
-    m.describe(
+    m.counter_from_zero(
         "agent_permit_decisions_total",
-        "counter",
         "Permit hand-outs and returns by outcome (granted, replayed, refused, blocked, released, renewed, gone, not_holder, or the error code)",
+        "outcome",
+        &["granted", "replayed", "refused", "blocked", "released", "renewed", "gone", "not_holder"],
     );
-    m.describe(
+    m.counter_from_zero(
         "agent_permit_lease_calls_total",
-        "counter",
         "Permit lease calls to the allocator by outcome (applied, conflict, failed)",
+        "outcome",
+        &["applied", "conflict", "failed"],
     );
     m.describe(
         "agent_permit_state_lost_total",
         "counter",
         "Times the region's permit state was found lost while the allocator held permits for it (hand-outs stop for a permit TTL)",
     );
+    m.inc_by("agent_permit_state_lost_total", &[], 0.0);
     m.describe(
         "agent_permits_live",
         "gauge",
         "Live permits of the concurrency quotas this agent knows, in its region",
     );
+    m.set("agent_permits_live", &[], 0.0);
 }
 
 /// Separates the parts of a permit id; not in the id alphabet, and left
