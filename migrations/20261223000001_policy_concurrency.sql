@@ -27,6 +27,10 @@ create table permit_lease (
     held bigint not null constraint permit_lease_held_non_negative check (held >= 0),
     seq bigint not null,
     expires_at timestamptz not null,
+    -- The longest permit TTL the live lease was renewed under: a permit
+    -- the region handed out under it may live that long (a TTL lowered
+    -- while permits are out does not shorten them).
+    ttl_secs integer not null constraint permit_lease_ttl_positive check (ttl_secs > 0),
     updated_at timestamptz not null default now(),
     primary key (tenant, resource, region)
 );

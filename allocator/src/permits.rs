@@ -6,9 +6,11 @@
 //! a number of permits its agents hand out locally, set by
 //! `POST /v1/permits/lease` to what the region wants, up to what the other
 //! regions' live leases leave ([`permit_held`]). A lease lives
-//! `permit_ttl_secs` + [`PERMIT_LEASE_SLACK_SECS`] from its last applied
-//! request; once expired its permits count as returned, whatever the row
-//! still says, so a region that vanishes strands them for at most that long.
+//! [`permit_lease_secs`] from its last applied request (never less than it
+//! had left: a TTL lowered while permits are out does not shorten the
+//! lease they were handed out under); once expired its permits count as
+//! returned, whatever the row still says, so a region that vanishes
+//! strands them for at most that long.
 //!
 //! The replicas of a region share its lease: a request names the lease's
 //! `seq` as the region last applied it and is applied only if the lease is
@@ -34,8 +36,8 @@ use axum::extract::State;
 use axum::Json;
 use chrono::{DateTime, Utc};
 use quota_shared::wire::{
-    ErrorBody, FailMode, PermitLease, PermitLeaseRequest, PermitRegion, PermitView, PolicyKind,
-    PERMIT_LEASE_SLACK_SECS,
+    permit_lease_secs, ErrorBody, FailMode, PermitLease, PermitLeaseRequest, PermitRegion, PermitView,
+    PolicyKind,
 };
 
 /// Permits a region holds after asking for `want`, holding `current` (0
@@ -58,6 +60,8 @@ pub struct Mine {
     pub seq: i64,
     /// What is left of its life (ms), 0 once expired.
     pub remaining_ms: i64,
+    /// The longest permit TTL it was renewed under (s), 0 once expired.
+    pub ttl_secs: i64,
 }
 
 /// What a lease request decides.
@@ -69,29 +73,41 @@ pub struct Decision {
     pub seq: i64,
     /// The lease's remaining life (ms) after the request.
     pub lease_ms: i64,
+    /// The longest TTL a permit handed out under the lease may have (s).
+    pub longest_ttl_secs: i64,
     /// `true`: the request's `seq` was not the lease's; nothing changes.
     pub conflict: bool,
 }
 
 /// Decides a request for `want` at `req_seq` against the region's lease
-/// (`None`: no row, seq 0), the others' live permits and the policy; an
-/// applied request renews the lease for `full_ms`.
+/// (`None`: no row, seq 0), the others' live permits and the policy
+/// (`max_in_flight`, its permit TTL `ttl_secs`); an applied request renews
+/// the lease for `full_ms`, or keeps what it had left when that is longer.
 pub fn decide(
     max_in_flight: i64,
+    ttl_secs: i64,
     others: i64,
     mine: Option<Mine>,
     req_seq: i64,
     want: i64,
     full_ms: i64,
 ) -> Decision {
-    let mine = mine.unwrap_or(Mine { held: 0, seq: 0, remaining_ms: 0 });
+    let mine = mine.unwrap_or(Mine { held: 0, seq: 0, remaining_ms: 0, ttl_secs: 0 });
+    let longest_ttl_secs = mine.ttl_secs.max(ttl_secs);
     if mine.seq != req_seq {
-        return Decision { held: mine.held, seq: mine.seq, lease_ms: mine.remaining_ms, conflict: true };
+        return Decision {
+            held: mine.held,
+            seq: mine.seq,
+            lease_ms: mine.remaining_ms,
+            longest_ttl_secs,
+            conflict: true,
+        };
     }
     Decision {
         held: permit_held(max_in_flight, others, mine.held, want),
         seq: mine.seq + 1,
-        lease_ms: full_ms,
+        lease_ms: full_ms.max(mine.remaining_ms),
+        longest_ttl_secs,
         conflict: false,
     }
 }
@@ -102,6 +118,7 @@ struct PermitRow {
     held: i64,
     seq: i64,
     expires_at: DateTime<Utc>,
+    ttl_secs: i32,
     updated_at: DateTime<Utc>,
 }
 
@@ -152,7 +169,7 @@ impl Semaphore {
 
     /// The full life of a lease (ms) after an applied request.
     fn lease_ms(&self) -> i64 {
-        (self.permit_ttl_secs + PERMIT_LEASE_SLACK_SECS) * 1000
+        permit_lease_secs(self.permit_ttl_secs) * 1000
     }
 }
 
@@ -255,9 +272,10 @@ async fn apply(state: &AppState, req: &PermitLeaseRequest) -> Result<PermitLease
         held: r.held_at(now),
         seq: r.seq,
         remaining_ms: if r.live(now) { (r.expires_at - now).num_milliseconds().max(0) } else { 0 },
+        ttl_secs: if r.live(now) { i64::from(r.ttl_secs) } else { 0 },
     });
     let before = mine.map_or(0, |m| m.held);
-    let d = decide(sem.max_in_flight, others, mine, req.seq, req.want, sem.lease_ms());
+    let d = decide(sem.max_in_flight, sem.permit_ttl_secs, others, mine, req.seq, req.want, sem.lease_ms());
     if !d.conflict {
         let expires_at = now + chrono::Duration::milliseconds(d.lease_ms);
         sqlx::query_file!(
@@ -268,6 +286,7 @@ async fn apply(state: &AppState, req: &PermitLeaseRequest) -> Result<PermitLease
             d.held,
             d.seq,
             expires_at,
+            i32::try_from(d.longest_ttl_secs).unwrap_or(i32::MAX),
             now
         )
         .execute(&mut *tx)
@@ -307,6 +326,7 @@ async fn apply(state: &AppState, req: &PermitLeaseRequest) -> Result<PermitLease
         conflict: d.conflict,
         max_in_flight: sem.max_in_flight,
         permit_ttl_secs: sem.permit_ttl_secs,
+        longest_ttl_secs: d.longest_ttl_secs,
         fail_mode: sem.fail_mode,
         version: sem.version,
     })
@@ -413,27 +433,43 @@ mod tests {
 
     #[test]
     fn a_request_at_the_leases_seq_is_applied_and_renews_it() {
-        let d = decide(3, 2, None, 0, 2, 90_000);
-        assert_eq!(d, Decision { held: 1, seq: 1, lease_ms: 90_000, conflict: false });
-        let mine = Mine { held: 1, seq: 1, remaining_ms: 40_000 };
-        let d = decide(3, 0, Some(mine), 1, 3, 90_000);
-        assert_eq!(d, Decision { held: 3, seq: 2, lease_ms: 90_000, conflict: false });
+        let d = decide(3, 60, 2, None, 0, 2, 90_000);
+        assert_eq!(d, Decision { held: 1, seq: 1, lease_ms: 90_000, longest_ttl_secs: 60, conflict: false });
+        let mine = Mine { held: 1, seq: 1, remaining_ms: 40_000, ttl_secs: 60 };
+        let d = decide(3, 60, 0, Some(mine), 1, 3, 90_000);
+        assert_eq!(d, Decision { held: 3, seq: 2, lease_ms: 90_000, longest_ttl_secs: 60, conflict: false });
         // An expired lease counts 0 held but keeps its seq.
-        let expired = Mine { held: 0, seq: 7, remaining_ms: 0 };
-        assert_eq!(decide(3, 0, Some(expired), 7, 2, 90_000).seq, 8);
+        let expired = Mine { held: 0, seq: 7, remaining_ms: 0, ttl_secs: 0 };
+        assert_eq!(decide(3, 60, 0, Some(expired), 7, 2, 90_000).seq, 8);
+    }
+
+    #[test]
+    fn a_lowered_ttl_neither_shortens_a_live_lease_nor_forgets_the_longer_ttl() {
+        // Renewed under TTL 600 s (lease 630 s), then the TTL is lowered to
+        // 10 s: a permit handed out just before may live 600 s more.
+        let mine = Mine { held: 2, seq: 3, remaining_ms: 620_000, ttl_secs: 600 };
+        let d = decide(3, 10, 0, Some(mine), 3, 2, 40_000);
+        assert_eq!((d.lease_ms, d.longest_ttl_secs, d.conflict), (620_000, 600, false));
+        // Once it expired, the new TTL alone counts.
+        let gone = Mine { held: 0, seq: 4, remaining_ms: 0, ttl_secs: 0 };
+        assert_eq!(decide(3, 10, 0, Some(gone), 4, 1, 40_000).longest_ttl_secs, 10);
     }
 
     #[test]
     fn a_request_at_another_seq_changes_nothing() {
-        let mine = Mine { held: 2, seq: 4, remaining_ms: 12_345 };
+        let mine = Mine { held: 2, seq: 4, remaining_ms: 12_345, ttl_secs: 60 };
         for seq in [0, 3, 5] {
-            let d = decide(3, 0, Some(mine), seq, 1, 90_000);
-            assert_eq!(d, Decision { held: 2, seq: 4, lease_ms: 12_345, conflict: true }, "{seq}");
+            let d = decide(3, 60, 0, Some(mine), seq, 1, 90_000);
+            assert_eq!(
+                d,
+                Decision { held: 2, seq: 4, lease_ms: 12_345, longest_ttl_secs: 60, conflict: true },
+                "{seq}"
+            );
         }
         // No lease: only seq 0 applies.
         assert_eq!(
-            decide(3, 0, None, 2, 1, 90_000),
-            Decision { held: 0, seq: 0, lease_ms: 0, conflict: true }
+            decide(3, 60, 0, None, 2, 1, 90_000),
+            Decision { held: 0, seq: 0, lease_ms: 0, longest_ttl_secs: 60, conflict: true }
         );
     }
 }

@@ -138,6 +138,14 @@ impl Keys {
         Keys { ns: ns.to_string(), layout }
     }
 
+    /// The prefix of a concurrency quota's keys (`lua/permit.lua`): the
+    /// tenant layout whatever this agent writes for rate quotas, since no
+    /// agent of the legacy layout ever wrote permits, so that replicas of
+    /// a region on either layout share one permit state.
+    pub fn permit_quota(&self, tenant: &str, resource: &str) -> String {
+        format!("{}q:{{{}}}:{}:", self.ns, lp(tenant), lp(resource))
+    }
+
     /// The layout this agent writes.
     pub fn layout(&self) -> Layout {
         self.layout
@@ -146,7 +154,7 @@ impl Keys {
     /// The prefix of every key of one quota; ends with `:`.
     pub fn quota(&self, tenant: &str, resource: &str) -> String {
         match self.layout {
-            Layout::Tenant => format!("{}q:{{{}}}:{}:", self.ns, lp(tenant), lp(resource)),
+            Layout::Tenant => self.permit_quota(tenant, resource),
             Layout::Legacy => self.legacy_quota(tenant, resource),
         }
     }

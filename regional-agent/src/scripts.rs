@@ -752,10 +752,12 @@ mod tests {
 /// What `lua/permit.lua` says of a hand-out.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum PermitTake {
-    /// Handed out (`dup`: the same id was handed out before, by a retried
-    /// request): expires in `expires_in_ms`; `left` more may be handed out
-    /// under the region's current lease.
+    /// Handed out (`dup`: the same id was handed out before to the same
+    /// holder, by a retried request): expires in `expires_in_ms`; `left`
+    /// more may be handed out under the region's current lease.
     Taken { expires_in_ms: i64, left: i64, dup: bool },
+    /// The id (from the request id) was handed out to another holder.
+    Mismatch,
     /// The region's permit state is missing or was written on another
     /// server history: sync with the allocator first.
     Lost,
@@ -776,7 +778,8 @@ pub enum PermitReturn {
     Renewed {
         expires_in_ms: i64,
     },
-    /// Not live: released before, expired, or never handed out here.
+    /// Not live: released before, expired, never handed out here, or (for
+    /// a renewal) in a state this Redis cannot vouch for.
     Gone,
     /// Handed out to another holder (`key`).
     NotHolder,
@@ -797,20 +800,18 @@ pub struct PermitState {
     pub blocked_in_ms: i64,
 }
 
+/// [`PermitState`] (`None`: lost or never written) and the server's clock
+/// when it was read (ms): the origin of the lease's end a lease call sets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PermitPlan {
+    pub state: Option<PermitState>,
+    pub now_ms: i64,
+}
+
 fn permit_invocation(prefix: &str, op: &str) -> ScriptInvocation<'static> {
     let mut inv = PERMIT.prepare_invoke();
     inv.key(Keys::incarnation(prefix)).arg(prefix).arg(op);
     inv
-}
-
-fn permit_state(r: &Reply) -> Option<PermitState> {
-    (r.str(0) == "state").then(|| PermitState {
-        seq: r.int(1),
-        cap: r.int(2),
-        live: r.int(3),
-        lease_in_ms: r.int(4),
-        blocked_in_ms: r.int(5),
-    })
 }
 
 /// Hands out permit `id` for `ttl_ms` to `holder` (`""`: none).
@@ -828,6 +829,7 @@ pub async fn permit_take(
     Ok(match r.str(0).as_str() {
         "ok" => PermitTake::Taken { expires_in_ms: r.int(1), left: r.int(2), dup: false },
         "dup" => PermitTake::Taken { expires_in_ms: r.int(1), left: r.int(2), dup: true },
+        "mismatch" => PermitTake::Mismatch,
         "blocked" => PermitTake::Blocked { ms: r.int(1) },
         "lease" => PermitTake::Lease { live: r.int(1), cap: r.int(2) },
         "full" => PermitTake::Full { live: r.int(1), cap: r.int(2) },
@@ -835,27 +837,18 @@ pub async fn permit_take(
     })
 }
 
-/// Releases permit `id`, or renews it for `ttl_ms` (never past the lease).
+/// Releases permit `id`, or (`renew`) extends it by the TTL the region's
+/// state keeps, never past the lease.
 #[tracing::instrument(level = "debug", skip_all)]
 pub async fn permit_return(
     store: &Store,
     prefix: &str,
     id: &str,
-    renew_ttl_ms: Option<i64>,
+    renew: bool,
     holder: &str,
 ) -> Result<PermitReturn, StoreError> {
-    let inv = match renew_ttl_ms {
-        None => {
-            let mut inv = permit_invocation(prefix, "release");
-            inv.arg(id).arg(holder);
-            inv
-        }
-        Some(ttl) => {
-            let mut inv = permit_invocation(prefix, "renew");
-            inv.arg(id).arg(ttl).arg(holder);
-            inv
-        }
-    };
+    let mut inv = permit_invocation(prefix, if renew { "renew" } else { "release" });
+    inv.arg(id).arg(holder);
     let r: Reply = store.eval(&inv).await?;
     Ok(match r.str(0).as_str() {
         "released" => PermitReturn::Released,
@@ -865,15 +858,15 @@ pub async fn permit_return(
     })
 }
 
-/// The region's permit state (`None`: lost, see [`PermitTake::Lost`]);
-/// with `lower_to`, first lowers the region's cap to it (never below the
-/// live permits) before the allocator is told.
+/// The region's permit state and the server's clock; with `lower_to`,
+/// first lowers the region's cap to it (never below the live permits)
+/// before the allocator is told.
 #[tracing::instrument(level = "debug", skip_all)]
-pub async fn permit_state_of(
+pub async fn permit_plan(
     store: &Store,
     prefix: &str,
     lower_to: Option<i64>,
-) -> Result<Option<PermitState>, StoreError> {
+) -> Result<PermitPlan, StoreError> {
     let inv = match lower_to {
         None => permit_invocation(prefix, "plan"),
         Some(target) => {
@@ -883,11 +876,24 @@ pub async fn permit_state_of(
         }
     };
     let r: Reply = store.eval(&inv).await?;
-    Ok(permit_state(&r))
+    Ok(match r.str(0).as_str() {
+        "state" => PermitPlan {
+            state: Some(PermitState {
+                seq: r.int(1),
+                cap: r.int(2),
+                live: r.int(3),
+                lease_in_ms: r.int(4),
+                blocked_in_ms: r.int(5),
+            }),
+            now_ms: r.int(6),
+        },
+        _ => PermitPlan { state: None, now_ms: r.int(1) },
+    })
 }
 
-/// Applies an allocator answer to the request sent at `seq`: `false` when
-/// the state moved on meanwhile (another replica applied a newer one).
+/// Applies an allocator answer to the request sent at `seq`: the lease
+/// ends at `exp_ms` (server clock); `false` when the state moved on
+/// meanwhile (another replica applied a newer one).
 #[tracing::instrument(level = "debug", skip_all)]
 pub async fn permit_apply(
     store: &Store,
@@ -895,28 +901,32 @@ pub async fn permit_apply(
     seq: i64,
     new_seq: i64,
     held: i64,
-    lease_ms: i64,
+    exp_ms: i64,
+    ttl_ms: i64,
 ) -> Result<bool, StoreError> {
     let mut inv = permit_invocation(prefix, "apply");
-    inv.arg(seq).arg(new_seq).arg(held).arg(lease_ms);
+    inv.arg(seq).arg(new_seq).arg(held).arg(exp_ms).arg(ttl_ms);
     let r: Reply = store.eval(&inv).await?;
     Ok(r.str(0) == "applied")
 }
 
 /// Takes the allocator's lease as it is (a conflict's answer, or the first
-/// answer after a lost state), blocking hand-outs for `block_ms`.
+/// answer after a lost state), blocking hand-outs until `block_until_ms`
+/// (server clock, 0: none) if the state is still lost.
 #[tracing::instrument(level = "debug", skip_all)]
+#[allow(clippy::too_many_arguments)]
 pub async fn permit_sync(
     store: &Store,
     prefix: &str,
     seq: i64,
     held: i64,
-    lease_ms: i64,
-    block_ms: i64,
+    exp_ms: i64,
+    block_until_ms: i64,
+    ttl_ms: i64,
     force: bool,
 ) -> Result<bool, StoreError> {
     let mut inv = permit_invocation(prefix, "sync");
-    inv.arg(seq).arg(held).arg(lease_ms).arg(block_ms).arg(flag(force));
+    inv.arg(seq).arg(held).arg(exp_ms).arg(block_until_ms).arg(ttl_ms).arg(flag(force));
     let r: Reply = store.eval(&inv).await?;
     Ok(r.str(0) == "synced")
 }

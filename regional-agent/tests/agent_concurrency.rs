@@ -177,15 +177,19 @@ async fn exports_from_two_regions_never_exceed_three_and_a_dead_holders_permit_c
     assert_eq!((held.admitted("eu"), held.admitted("us")), (eu_done, us_done));
 
     // Three holders: eu two (one of them a job that will die), us one.
-    let mut ids = Vec::new();
-    for (region, http) in [("eu", &eu.http), ("eu", &eu.http), ("us", &us.http)] {
+    // The job that will die takes its permit last, so its acquire is its
+    // last sign of life: ids = [dying (eu), living (eu), living (us)].
+    let mut got = Vec::new();
+    for (region, http) in [("eu", &eu.http), ("us", &us.http), ("eu", &eu.http)] {
         let r = quota_tests::wait::until("a permit", Duration::from_secs(10), || async {
             let r = take(http, None).await;
             (r.status == 200).then_some(r)
         })
         .await;
-        ids.push(held.add(region, &r));
+        got.push(held.add(region, &r));
     }
+    let last_seen = Instant::now();
+    let ids = [got[2].clone(), got[0].clone(), got[1].clone()];
     // Full everywhere: a 429 naming the limit, with a Retry-After.
     for http in [&eu.http, &us.http] {
         let r = take(http, None).await;
@@ -199,7 +203,6 @@ async fn exports_from_two_regions_never_exceed_three_and_a_dead_holders_permit_c
     // heartbeats). Its permit expires within the TTL, and then another
     // region gets it: us polls until it does.
     // The two living jobs keep heartbeating meanwhile.
-    let died = Instant::now();
     let r = quota_tests::wait::until("the dead holder's permit", Duration::from_secs(TTL + 10), || async {
         for (http, id) in [(&eu.http, &ids[1]), (&us.http, &ids[2])] {
             let n = renew(http, id).await.expect(200);
@@ -213,11 +216,13 @@ async fn exports_from_two_regions_never_exceed_three_and_a_dead_holders_permit_c
         None
     })
     .await;
-    let back = died.elapsed();
+    let back = last_seen.elapsed();
     // Counted as live by its dead holder until its expiry.
     let id = held.add("us", &r);
-    eprintln!("a dead holder's permit reached another region {back:?} after the holder died (TTL {TTL} s)");
-    // Expiry (TTL) + eu giving its idle permit back (one 2 s tick) + us asking.
+    eprintln!("a dead holder's permit reached another region {back:?} after the holder's last sign of life (TTL {TTL} s)");
+    // Not before its expiry; then eu gives its idle permit back (one 2 s
+    // tick at most) and us asks.
+    assert!(back >= Duration::from_millis(TTL * 1000 - 100), "{back:?}");
     assert!(back <= Duration::from_secs(TTL + 3), "{back:?}");
     // us's two jobs heartbeat until they end below.
     let us_jobs = {
@@ -257,6 +262,32 @@ async fn exports_from_two_regions_never_exceed_three_and_a_dead_holders_permit_c
     assert_eq!(renew(&eu.http, &alices).await.status, 200);
     assert!(refused_for_concurrency(&take(&eu.http, None).await));
 
+    // A retried acquire with the same request id gets the same permit;
+    // the same request id from another key is refused.
+    let first = eu
+        .http
+        .post(
+            "/v1/acquire",
+            &json!({"tenant": "atlas", "resource": "export", "key": "alice", "request_id": "job-42"}),
+        )
+        .await;
+    assert!(refused_for_concurrency(&first), "full: {}", first.body);
+    held.drop_id(&alices);
+    assert_eq!(release(&eu.http, &alices, Some("alice")).await.expect(200).body["released"], true);
+    let body = json!({"tenant": "atlas", "resource": "export", "key": "alice", "request_id": "job-42"});
+    let r = eu.http.post("/v1/acquire", &body).await.expect(200);
+    let alices = held.add("eu", &r);
+    let again = eu.http.post("/v1/acquire", &body).await.expect(200);
+    assert_eq!(again.body["permit_id"], json!(alices), "{}", again.body);
+    let other = eu
+        .http
+        .post(
+            "/v1/acquire",
+            &json!({"tenant": "atlas", "resource": "export", "key": "bob", "request_id": "job-42"}),
+        )
+        .await;
+    assert_eq!((other.status, other.error()), (409, "request_id_mismatch"), "{}", other.body);
+
     // Bad input names the problem.
     let bad = release(&eu.http, "not-a-permit", None).await;
     assert_eq!((bad.status, bad.body["field"].as_str()), (422, Some("permit_id")), "{}", bad.body);
@@ -264,6 +295,27 @@ async fn exports_from_two_regions_never_exceed_three_and_a_dead_holders_permit_c
         eu.http.post("/v1/acquire", &json!({"tenant": "atlas", "resource": "export", "cost": 2})).await;
     assert_eq!((cost.status, cost.body["field"].as_str()), (422, Some("cost")), "{}", cost.body);
     w.policy("atlas", "read", json!({"limit": 100, "window_secs": 60})).await;
+    // A permit id naming a rate quota finds no permit and changes nothing:
+    // the quota stays a rate quota.
+    let forged = format!("atlas~read~{}", "0".repeat(32));
+    for route in ["release", "renew"] {
+        let r = eu.http.post(&format!("/v1/permits/{forged}/{route}"), &json!({})).await;
+        let want = if route == "release" { 200 } else { 404 };
+        assert_eq!(r.status, want, "{route}: {}", r.body);
+    }
+    let read = eu.http.post("/v1/acquire", &json!({"tenant": "atlas", "resource": "read"})).await.expect(200);
+    assert_eq!(read.body["source"], "lease", "{}", read.body);
+    // A TTL of an hour: the lease's slack grows with it, so a permit fits.
+    w.policy("atlas", "report", json!({"kind": "concurrency", "max_in_flight": 1, "permit_ttl_secs": 3600}))
+        .await;
+    let long = quota_tests::wait::until("a one-hour permit", Duration::from_secs(10), || async {
+        let r = eu.http.post("/v1/acquire", &json!({"tenant": "atlas", "resource": "report"})).await;
+        (r.status == 200).then_some(r)
+    })
+    .await;
+    assert_eq!(long.body["permit_expires_in_ms"], 3_600_000, "{}", long.body);
+    let long_id = long.body["permit_id"].as_str().unwrap_or_default().to_string();
+    assert_eq!(release(&eu.http, &long_id, None).await.expect(200).body["released"], true);
     let multi = eu
         .http
         .post(
@@ -358,8 +410,7 @@ async fn a_partition_longer_than_the_lease_and_a_lost_redis_keep_the_bound() {
         let r = take(&us.http, None).await;
         if r.status == 200 {
             us_ids.push(held.add("us", &r));
-            // us's jobs hold theirs to the end of the test (the heartbeat
-            // below keeps them).
+            // us's jobs keep theirs by the heartbeats below.
         } else {
             assert!(refused_for_concurrency(&r), "{} {}", r.status, r.body);
         }
@@ -422,6 +473,12 @@ async fn a_partition_longer_than_the_lease_and_a_lost_redis_keep_the_bound() {
     })
     .await;
     let resumed = lost.elapsed();
+    // us's jobs learn they lost their permits at their next heartbeat.
+    for id in &us_ids {
+        let r = renew(&us.http, id).await;
+        assert_eq!((r.status, r.error()), (404, "permit_not_found"), "{}", r.body);
+        held.drop_id(id);
+    }
     // The old permits, never renewed since, are counted live by their
     // holders until their expiry: the new one must fit beside them.
     held.add("after-loss", &r);

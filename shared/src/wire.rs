@@ -109,12 +109,17 @@ impl PolicyKind {
     }
 }
 
-/// How much longer than a permit's TTL a region's permit lease lasts: the
-/// agent hands out a permit only when its lease outlives the permit, so a
-/// region cut off from the allocator can hand out full-length permits for
-/// this long after its last renewal, and a region that vanishes strands
-/// its permits for at most `permit_ttl_secs` + this.
-pub const PERMIT_LEASE_SLACK_SECS: i64 = 30;
+/// How long a region's permit lease lasts after an applied request: the
+/// permit TTL and a slack of `max(30 s, TTL / 20)`. The agent hands out a
+/// permit only when its lease outlives the permit, so a region cut off
+/// from the allocator can hand out full-length permits for about the
+/// slack after its last renewal, and a region that vanishes strands its
+/// permits for at most this long. The slack grows with the TTL so that it
+/// always covers the agent's margin for clocks that run at different rates
+/// (1 % of the lease, plus a second).
+pub fn permit_lease_secs(permit_ttl_secs: i64) -> i64 {
+    permit_ttl_secs + (permit_ttl_secs / 20).max(30)
+}
 
 /// `POST /v1/permits/lease` body (agent → allocator): set the number of
 /// permits region `region` holds for a concurrency quota to `want`, if the
@@ -151,15 +156,19 @@ pub struct PermitLease {
     pub seq: i64,
     /// Permits the region holds now (0 once its lease expired).
     pub held: i64,
-    /// Remaining life of the lease (ms): `permit_ttl_secs` +
-    /// [`PERMIT_LEASE_SLACK_SECS`] after an applied request, what is left
-    /// of it after a conflict, 0 when it expired.
+    /// Remaining life of the lease (ms): [`permit_lease_secs`] after an
+    /// applied request (never less than it had), what is left of it after
+    /// a conflict, 0 when it expired.
     pub lease_ms: i64,
     /// `true`: the request's `seq` was not the lease's; nothing changed,
     /// and the answer is the lease as it is.
     pub conflict: bool,
     pub max_in_flight: i64,
     pub permit_ttl_secs: i64,
+    /// The longest TTL a permit handed out under this lease may have (the
+    /// policy's TTL may have been lowered while permits were out): a
+    /// region that lost its record of them waits this long.
+    pub longest_ttl_secs: i64,
     pub fail_mode: FailMode,
     /// The policy version the answer was made under.
     pub version: i64,

@@ -170,7 +170,7 @@ pub(crate) async fn acquire(app: &AppState, req: &Acquire) -> (Response, &'stati
             Error::Shed { priority: s.priority }
         })?;
         app.guard.admit()?;
-        let q = app.permits.mark(&req.tenant, &w.resource).ok_or(Error::TooManyQuotas)?;
+        let q = app.permits.get(&req.tenant, &w.resource).ok_or(Error::TooManyQuotas)?;
         app.permits.take(&q, req.key.as_deref().unwrap_or(""), req.request_id.as_deref()).await
     }
     .await;

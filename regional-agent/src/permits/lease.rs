@@ -4,13 +4,13 @@
 //! gives idle permits back and keeps the leases of held ones renewed.
 
 use super::rule::{self, Goal};
-use super::{PermitQuota, Permits};
+use super::{PermitPolicy, PermitQuota, Permits};
 use crate::client::CallError;
 use crate::error::{Error, Result};
-use crate::scripts::{self, PermitReturn, PermitTake};
+use crate::scripts::{self, PermitPlan, PermitReturn, PermitTake};
 use quota_shared::wire::{PermitLease, PermitLeaseRequest};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 /// How often the maintenance task looks at every known quota.
@@ -20,6 +20,14 @@ const TICK: Duration = Duration::from_secs(2);
 /// a race to another replica).
 const TRIES: usize = 4;
 
+/// How long one replica may hold the region's lock on a lost or new
+/// permit state while it syncs with the allocator.
+const LOST_LOCK_MS: u64 = 5_000;
+
+/// A refusal's `Retry-After` hint: permits come back when released, which
+/// nothing predicts; a second (plus the answer's jitter) is a polite poll.
+const RETRY_MS: i64 = 1000;
+
 /// A permit handed out.
 #[derive(Debug, Clone)]
 pub struct Taken {
@@ -27,16 +35,12 @@ pub struct Taken {
     pub expires_in_ms: i64,
     /// More permits the region's lease holds that are not handed out.
     pub left: i64,
-    pub policy: super::PermitPolicy,
+    pub policy: PermitPolicy,
 }
 
 fn store_err(_: crate::store::StoreError) -> Error {
     Error::StoreUnavailable
 }
-
-/// A refusal's `Retry-After` hint: permits come back when released, which
-/// nothing predicts; a second (plus the answer's jitter) is a polite poll.
-const RETRY_MS: i64 = 1000;
 
 impl Permits {
     /// One lease call for `q` toward `goal`, applied to the region's
@@ -45,24 +49,47 @@ impl Permits {
     /// granted (see `lua/permit.lua`).
     pub async fn call(&self, q: &PermitQuota, goal: Goal) -> Result<Option<PermitLease>> {
         let _one = q.calling.lock().await;
-        let state = scripts::permit_state_of(&self.store, &q.prefix, None).await.map_err(store_err)?;
+        let mut plan = scripts::permit_plan(&self.store, &q.prefix, None).await.map_err(store_err)?;
+        // A lost (or never written) state is synced by one replica of the
+        // region at a time: two syncing at once would each see the other's
+        // fresh lease as one this region forgot.
+        let mut locked = false;
+        if plan.state.is_none() {
+            locked = crate::commands::take_renew_lock(&self.store, &q.prefix, &self.agent, LOST_LOCK_MS)
+                .await
+                .map_err(store_err)?;
+            if !locked {
+                // Another replica syncs it: give it a moment, then go on
+                // from what it wrote (or sync anyway).
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                plan = scripts::permit_plan(&self.store, &q.prefix, None).await.map_err(store_err)?;
+            }
+        }
+        let r = self.call_from(q, goal, plan).await;
+        if locked {
+            let _ = scripts::unlock(&self.store, &q.prefix, &self.agent).await;
+        }
+        r
+    }
+
+    async fn call_from(&self, q: &PermitQuota, goal: Goal, plan: PermitPlan) -> Result<Option<PermitLease>> {
         let ttl_ms = q.policy().map_or(0, |p| p.ttl_ms);
-        let (seq, want, lost) = match state {
+        let (seq, want, lost, origin) = match plan.state {
             // Lost, or never written: ask as a region that knows of no
             // lease. If the allocator holds one for it, the answer is a
-            // conflict showing it, and hand-outs stop for a TTL.
-            None => (0, i64::from(goal == Goal::Grow), true),
+            // conflict showing it, and hand-outs stop until what the lost
+            // state handed out has expired.
+            None => (0, i64::from(goal == Goal::Grow), true, plan.now_ms),
             Some(s) if s.blocked_in_ms > 0 && goal == Goal::Tidy => return Ok(None),
             Some(s) => match rule::want(goal, s.cap, s.live, s.lease_in_ms, ttl_ms) {
                 None => return Ok(None),
                 Some(w) if w < s.cap => {
-                    let lowered = scripts::permit_state_of(&self.store, &q.prefix, Some(w))
-                        .await
-                        .map_err(store_err)?
-                        .ok_or(Error::StoreUnavailable)?;
-                    (lowered.seq, lowered.cap, false)
+                    let lowered =
+                        scripts::permit_plan(&self.store, &q.prefix, Some(w)).await.map_err(store_err)?;
+                    let l = lowered.state.ok_or(Error::StoreUnavailable)?;
+                    (l.seq, l.cap, false, lowered.now_ms)
                 }
-                Some(w) => (s.seq, w, false),
+                Some(w) => (s.seq, w, false, plan.now_ms),
             },
         };
         let epoch = self.ident.epoch();
@@ -78,13 +105,14 @@ impl Permits {
             seq,
             want,
         };
-        let sent = Instant::now();
         let answer = match self.alloc.permit_lease(&req).await {
             Ok(a) => a,
-            Err(e) => return Err(self.refused(&e, epoch)),
+            Err(e) => return Err(self.refused(q, &e, epoch)),
         };
         q.learn(&answer);
-        let trusted = rule::trusted_ms(answer.lease_ms, sent.elapsed());
+        // The lease's end on the region's clock, counted from before the
+        // request left: however late this is applied, it cannot stretch.
+        let exp_ms = origin + rule::trusted_ms(answer.lease_ms);
         let ttl_ms = answer.permit_ttl_secs.saturating_mul(1000);
         if lost || answer.conflict {
             // A conflict's answer is the allocator's lease as it is; after
@@ -92,19 +120,33 @@ impl Permits {
             // hands with no record here. (A region the allocator holds no
             // lease for, a first touch, gets its request applied: nothing
             // of it can be out.)
-            let block = if lost && answer.conflict { rule::block_ms(answer.held, ttl_ms) } else { 0 };
-            if block > 0 {
+            let block = if lost && answer.conflict {
+                rule::block_ms(answer.held, answer.lease_ms, answer.longest_ttl_secs.saturating_mul(1000))
+            } else {
+                0
+            };
+            let block_until = if block > 0 { origin + block } else { 0 };
+            let force = answer.conflict && answer.seq < seq;
+            let synced = scripts::permit_sync(
+                &self.store,
+                &q.prefix,
+                answer.seq,
+                answer.held,
+                exp_ms,
+                block_until,
+                ttl_ms,
+                force,
+            )
+            .await
+            .map_err(store_err)?;
+            if block > 0 && synced {
                 self.metrics.inc("agent_permit_state_lost_total", &[]);
                 tracing::warn!(tenant = %q.tenant, resource = %q.resource, held = answer.held, block_ms = block,
                     "the region's permit state was lost while the allocator held permits for it: \
                      no permit is handed out until the forgotten ones have expired");
             }
-            let force = answer.conflict && answer.seq < seq;
-            scripts::permit_sync(&self.store, &q.prefix, answer.seq, answer.held, trusted, block, force)
-                .await
-                .map_err(store_err)?;
         } else {
-            scripts::permit_apply(&self.store, &q.prefix, seq, answer.seq, answer.held, trusted)
+            scripts::permit_apply(&self.store, &q.prefix, seq, answer.seq, answer.held, exp_ms, ttl_ms)
                 .await
                 .map_err(store_err)?;
         }
@@ -116,17 +158,23 @@ impl Permits {
     }
 
     /// What a failed lease call means for the request that needed it.
-    fn refused(&self, e: &CallError, epoch: i64) -> Error {
+    fn refused(&self, q: &PermitQuota, e: &CallError, epoch: i64) -> Error {
         self.metrics.inc("agent_permit_lease_calls_total", &[("outcome", "failed")]);
         match e {
-            CallError::Refused { status: 404, .. } => Error::UnknownQuota(String::new()),
-            CallError::Refused { code, .. } if code == "stale_epoch" => {
+            CallError::Refused { status: 404, code, .. } if code == "unknown_quota" => {
+                Error::UnknownQuota(format!("{}/{}", q.tenant, q.resource))
+            }
+            CallError::Refused { code, .. } if code == "stale_epoch" || code == "unknown_agent" => {
                 if self.ident.epoch() == epoch {
                     self.ident.request_register();
                 }
                 Error::AllocatorUnreachable
             }
-            _ => Error::AllocatorUnreachable,
+            CallError::Refused { status, code, message, .. } => {
+                tracing::warn!(tenant = %q.tenant, resource = %q.resource, status, code, message, "permit lease refused");
+                Error::AllocatorUnreachable
+            }
+            CallError::Unreachable(_) => Error::AllocatorUnreachable,
         }
     }
 
@@ -134,14 +182,12 @@ impl Permits {
     /// growing the region's lease by one when all it holds are out.
     pub async fn take(&self, q: &PermitQuota, holder: &str, request_id: Option<&str>) -> Result<Taken> {
         let id = super::new_id(&q.tenant, &q.resource, request_id);
-        let resource = format!("{}/{}", q.tenant, q.resource);
         let limited = || Error::ConcurrencyLimited { resource: q.resource.clone(), retry_after_ms: RETRY_MS };
-        let mut last = limited();
         for _ in 0..TRIES {
             let Some(p) = q.policy() else {
                 // First hand-out this replica makes: the lease call learns
                 // the policy.
-                self.call(q, Goal::Grow).await.map_err(|e| name(e, &resource))?;
+                self.call(q, Goal::Grow).await.map_err(|e| self.refuse(e))?;
                 continue;
             };
             match scripts::permit_take(&self.store, &q.prefix, &id, p.ttl_ms, holder)
@@ -153,6 +199,11 @@ impl Permits {
                     self.metrics.inc("agent_permit_decisions_total", &[("outcome", outcome)]);
                     return Ok(Taken { permit_id: id, expires_in_ms, left: left.max(0), policy: p });
                 }
+                PermitTake::Mismatch => {
+                    return Err(self.refuse(Error::RequestIdMismatch(
+                        "request_id was first used for a permit of another key".into(),
+                    )));
+                }
                 PermitTake::Blocked { ms } => {
                     self.metrics.inc("agent_permit_decisions_total", &[("outcome", "blocked")]);
                     return Err(Error::ConcurrencyLimited {
@@ -161,22 +212,26 @@ impl Permits {
                     });
                 }
                 PermitTake::Lost => {
-                    self.call(q, Goal::Grow).await.map_err(|e| name(e, &resource))?;
+                    self.call(q, Goal::Grow).await.map_err(|e| self.refuse(e))?;
                 }
-                PermitTake::Full { .. } => match self.call(q, Goal::Grow).await {
-                    Ok(_) => last = limited(),
+                PermitTake::Full { cap, .. } => match self.call(q, Goal::Grow).await {
+                    // The allocator had none to spare: refused now, not
+                    // after more calls that would find the same.
+                    Ok(Some(a)) if !a.conflict && a.held <= cap => return Err(self.refuse(limited())),
+                    Ok(_) => {}
                     // Cut off from the allocator with every permit out: the
                     // region may not hand out more (no fallback allowance).
                     Err(Error::AllocatorUnreachable) => return Err(self.refuse(limited())),
-                    Err(e) => return Err(name(e, &resource)),
+                    Err(e) => return Err(self.refuse(e)),
                 },
-                PermitTake::Lease { .. } => match self.call(q, Goal::Grow).await {
-                    Ok(_) => last = Error::AllocatorUnreachable,
-                    Err(e) => return Err(self.refuse(name(e, &resource))),
-                },
+                PermitTake::Lease { .. } => {
+                    // Cut off long enough that the lease would end before a
+                    // permit handed out now: 503 until the allocator answers.
+                    self.call(q, Goal::Grow).await.map_err(|e| self.refuse(e))?;
+                }
             }
         }
-        Err(self.refuse(last))
+        Err(self.refuse(limited()))
     }
 
     fn refuse(&self, e: Error) -> Error {
@@ -185,9 +240,11 @@ impl Permits {
         e
     }
 
-    /// Releases permit `id` (`renew`: extends it instead by a TTL, never
+    /// Releases permit `id` (`renew`: extends it instead by its TTL, never
     /// past the region's lease). `holder`: the key it must have been
-    /// handed out to (`""`: any).
+    /// handed out to (`""`: any). Reads and writes only the region's
+    /// Redis, so it needs no policy and learns nothing: an id naming a
+    /// quota that has no permits finds none.
     pub async fn give_back(&self, id: &str, holder: &str, renew: bool) -> Result<PermitReturn> {
         let Some((tenant, resource)) = super::parse_id(id) else {
             return Err(Error::invalid(
@@ -195,21 +252,8 @@ impl Permits {
                 "not a permit id of this service (`<tenant>~<resource>~<32 hex>`)",
             ));
         };
-        let q = self.mark(tenant, resource).ok_or(Error::TooManyQuotas)?;
-        let ttl = if renew {
-            if q.policy().is_none() {
-                // A replica that never handed out this quota's permits
-                // learns the TTL from the allocator first.
-                let _ = self.call(&q, Goal::Tidy).await;
-                if q.policy().is_none() {
-                    self.call(&q, Goal::Grow).await?;
-                }
-            }
-            Some(q.policy().map_or(0, |p| p.ttl_ms))
-        } else {
-            None
-        };
-        let r = scripts::permit_return(&self.store, &q.prefix, id, ttl, holder).await.map_err(store_err)?;
+        let prefix = self.keys.permit_quota(tenant, resource);
+        let r = scripts::permit_return(&self.store, &prefix, id, renew, holder).await.map_err(store_err)?;
         let outcome = match r {
             PermitReturn::Released => "released",
             PermitReturn::Renewed { .. } => "renewed",
@@ -222,11 +266,13 @@ impl Permits {
 
     /// One pass of the maintenance task: every known quota gives back its
     /// idle permits and renews its lease when due; the live permits of the
-    /// pass are the gauge's.
+    /// pass are the gauge's. Quotas idle for long with nothing held are
+    /// forgotten.
     pub async fn tidy(&self) {
         let mut live = 0;
         for q in self.all() {
             if q.policy().is_none() {
+                self.forget_if_idle(&q);
                 continue;
             }
             match self.call(&q, Goal::Tidy).await {
@@ -235,7 +281,9 @@ impl Permits {
                     tracing::debug!(tenant = %q.tenant, resource = %q.resource, error = %e, "permit lease call")
                 }
             }
-            if let Ok(Some(s)) = scripts::permit_state_of(&self.store, &q.prefix, None).await {
+            if let Ok(PermitPlan { state: Some(s), .. }) =
+                scripts::permit_plan(&self.store, &q.prefix, None).await
+            {
                 live += s.live;
                 if s.live == 0 && s.cap == 0 {
                     self.forget_if_idle(&q);
@@ -243,14 +291,6 @@ impl Permits {
             }
         }
         self.metrics.set("agent_permits_live", &[], live as f64);
-    }
-}
-
-/// Names the quota in an unknown-quota error.
-fn name(e: Error, resource: &str) -> Error {
-    match e {
-        Error::UnknownQuota(_) => Error::UnknownQuota(resource.to_string()),
-        e => e,
     }
 }
 

@@ -33,7 +33,6 @@ use crate::store::Store;
 use quota_shared::prom::Registry as Metrics;
 use quota_shared::wire::{FailMode, PermitLease};
 use std::collections::HashMap;
-use std::hash::Hasher;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -67,7 +66,7 @@ impl PermitPolicy {
 pub struct PermitQuota {
     pub tenant: String,
     pub resource: String,
-    /// The quota's key prefix ([`Keys::quota`]).
+    /// The quota's key prefix ([`Keys::permit_quota`]).
     pub prefix: String,
     policy: Mutex<Option<PermitPolicy>>,
     last_used: Mutex<Instant>,
@@ -133,7 +132,7 @@ impl Permits {
     }
 
     /// Records that the allocator said the quota is a concurrency one (a
-    /// grant answered `concurrency_policy`, or a permit id names it).
+    /// grant answered `concurrency_policy`; nothing a client sends can).
     /// `None` when [`MAX_QUOTAS`] are known and none is idle.
     pub fn mark(&self, tenant: &str, resource: &str) -> Option<Arc<PermitQuota>> {
         let mut m = self.quotas.lock().unwrap();
@@ -152,7 +151,7 @@ impl Permits {
         let q = Arc::new(PermitQuota {
             tenant: tenant.into(),
             resource: resource.into(),
-            prefix: self.keys.quota(tenant, resource),
+            prefix: self.keys.permit_quota(tenant, resource),
             policy: Mutex::default(),
             last_used: Mutex::new(Instant::now()),
             calling: tokio::sync::Mutex::default(),
@@ -220,21 +219,18 @@ pub fn new_id(tenant: &str, resource: &str, request_id: Option<&str>) -> String 
     let tail = match request_id {
         None => uuid::Uuid::new_v4().simple().to_string(),
         Some(r) => {
-            // Two seeded hashes of (tenant, resource, request id) with the
-            // standard library's fixed-key hasher: the same inputs give the
-            // same id on every replica of one build (a rolling upgrade to a
-            // build whose hasher changed may hand a retry a second permit).
-            let h = |seed: u64| {
-                let mut s = std::hash::DefaultHasher::new();
-                s.write_u64(seed);
-                s.write(tenant.as_bytes());
-                s.write_u8(0);
-                s.write(resource.as_bytes());
-                s.write_u8(0);
-                s.write(r.as_bytes());
-                s.finish()
+            // Two FNV-1a hashes of (tenant, resource, request id) with
+            // different offsets: the same inputs give the same id on every
+            // replica and every build (the id outlives a rolling upgrade).
+            let h = |offset: u64| {
+                let mut h = offset;
+                for b in tenant.bytes().chain([0]).chain(resource.bytes()).chain([0]).chain(r.bytes()) {
+                    h ^= u64::from(b);
+                    h = h.wrapping_mul(0x0100_0000_01b3);
+                }
+                h
             };
-            format!("{:016x}{:016x}", h(0x5eed_0001), h(0x5eed_0002))
+            format!("{:016x}{:016x}", h(0xcbf2_9ce4_8422_2325), h(0x6c62_272e_07bb_0142))
         }
     };
     format!("{tenant}{SEP}{resource}{SEP}{tail}")
