@@ -50,6 +50,8 @@ pub struct StatusView {
     pub shed: Arc<crate::shed::Shedder>,
     /// `--max-policy-age-secs` (`None`: never stale).
     pub max_policy_age: Option<std::time::Duration>,
+    /// Concurrency quotas and their permits.
+    pub permits: Arc<crate::permits::Permits>,
 }
 
 impl FromRef<AppState> for StatusView {
@@ -67,6 +69,7 @@ impl FromRef<AppState> for StatusView {
             metrics: app.metrics.clone(),
             shed: app.decider.shed.clone(),
             max_policy_age: app.settings.max_policy_age,
+            permits: app.permits.clone(),
         }
     }
 }
@@ -264,7 +267,7 @@ pub(crate) async fn metrics(State(app): State<StatusView>) -> impl IntoResponse 
 #[utoipa::path(
     get,
     path = "/v1/status",
-    responses((status = 200, description = "{region, agent, epoch, allocator_reachable, allocator_error (why the allocator counts as unreachable, e.g. a TLS failure; null while it answers), redis_error (why the region's Redis cannot be used: refused, timed out, TLS handshake failed; null while it answers), dead_letters (entries in the region's dead-letter list; null when Redis cannot be read), recent_dead_letters (the newest 10: tenant, resource, agent, entry, status, error, message, at), shed (shedding by priority: in_flight, in_flight_line, store_latency_ms (the fresh average; null when none, or while --shed-store-latency-ms is off), store_latency_line_ms, load, shedding: the priorities shed at that load), max_policy_age_secs (null: policies never go stale), quotas: [{tenant, resource, lease_tokens, expires_in_ms, demand_per_sec, mode, policy {.., on_stale}, policy_age_secs (since a grant answer last confirmed the policy; null when never), policy_stale (older than the maximum age while the allocator is unreachable), ...}]}")),
+    responses((status = 200, description = "{region, agent, epoch, allocator_reachable, allocator_error (why the allocator counts as unreachable, e.g. a TLS failure; null while it answers), redis_error (why the region's Redis cannot be used: refused, timed out, TLS handshake failed; null while it answers), dead_letters (entries in the region's dead-letter list; null when Redis cannot be read), recent_dead_letters (the newest 10: tenant, resource, agent, entry, status, error, message, at), shed (shedding by priority: in_flight, in_flight_line, store_latency_ms (the fresh average; null when none, or while --shed-store-latency-ms is off), store_latency_line_ms, load, shedding: the priorities shed at that load), max_policy_age_secs (null: policies never go stale), quotas: [{tenant, resource, lease_tokens, expires_in_ms, demand_per_sec, mode, policy {.., on_stale}, policy_age_secs (since a grant answer last confirmed the policy; null when never), policy_stale (older than the maximum age while the allocator is unreachable), ...}], permits: the concurrency quotas this agent knows (at most 100): [{tenant, resource, max_in_flight, permit_ttl_secs, policy_version, live (permits handed out in the region), cap (what the region's lease holds), lease_in_ms, blocked_in_ms (hand-outs stopped after a lost state; 0 when not), lost (the region's permit state is missing)}]}")),
     tag = "agent"
 )]
 pub(crate) async fn status(State(app): State<StatusView>) -> impl IntoResponse {
@@ -318,5 +321,6 @@ pub(crate) async fn status(State(app): State<StatusView>) -> impl IntoResponse {
         "shed": app.shed.status(),
         "max_policy_age_secs": app.max_policy_age.map(|d| d.as_secs()),
         "quotas": quotas,
+        "permits": app.permits.status(crate::permits::STATUS_MAX).await,
     }))
 }

@@ -198,6 +198,14 @@ async fn exports_from_two_regions_never_exceed_three_and_a_dead_holders_permit_c
         assert!(r.header("retry-after").is_some(), "{}", r.body);
     }
     assert!(leased(&w).await <= CAP as i64);
+    // The region's view in /v1/status: two handed out under the lease.
+    let st = eu.http.get("/v1/status").await.expect(200);
+    let mine = st.body["permits"]
+        .as_array()
+        .and_then(|a| a.iter().find(|p| p["resource"] == "export").cloned())
+        .unwrap_or_else(|| panic!("no export in {}", st.body));
+    assert_eq!((mine["live"].as_i64(), mine["max_in_flight"].as_i64()), (Some(2), Some(3)), "{mine}");
+    assert!(mine["cap"].as_i64().is_some_and(|c| c >= 2) && mine["lost"] == false, "{mine}");
 
     // The holder of ids[0] dies (SIGKILL of the job: no release, no more
     // heartbeats). Its permit expires within the TTL, and then another

@@ -24,6 +24,9 @@ const TRIES: usize = 4;
 /// permit state while it syncs with the allocator.
 const LOST_LOCK_MS: u64 = 5_000;
 
+/// Lease calls the maintenance task makes at once.
+const TIDY_PARALLEL: usize = 8;
+
 /// A refusal's `Retry-After` hint: permits come back when released, which
 /// nothing predicts; a second (plus the answer's jitter) is a polite poll.
 const RETRY_MS: i64 = 1000;
@@ -265,32 +268,47 @@ impl Permits {
     }
 
     /// One pass of the maintenance task: every known quota gives back its
-    /// idle permits and renews its lease when due; the live permits of the
-    /// pass are the gauge's. Quotas idle for long with nothing held are
-    /// forgotten.
-    pub async fn tidy(&self) {
+    /// idle permits and renews its lease when due, [`TIDY_PARALLEL`] at a
+    /// time (a slow allocator must not hold the last quotas' renewals past
+    /// their slack); the live permits of the pass are the gauge's. Quotas
+    /// idle for long with nothing held are forgotten.
+    pub async fn tidy(self: &Arc<Self>) {
         let mut live = 0;
+        let mut running = tokio::task::JoinSet::new();
         for q in self.all() {
             if q.policy().is_none() {
                 self.forget_if_idle(&q);
                 continue;
             }
-            match self.call(&q, Goal::Tidy).await {
-                Ok(_) | Err(Error::AllocatorUnreachable) => {}
-                Err(e) => {
-                    tracing::debug!(tenant = %q.tenant, resource = %q.resource, error = %e, "permit lease call")
-                }
+            if running.len() >= TIDY_PARALLEL {
+                live += running.join_next().await.and_then(|r| r.ok()).unwrap_or(0);
             }
-            if let Ok(PermitPlan { state: Some(s), .. }) =
-                scripts::permit_plan(&self.store, &q.prefix, None).await
-            {
-                live += s.live;
-                if s.live == 0 && s.cap == 0 {
-                    self.forget_if_idle(&q);
-                }
-            }
+            let me = self.clone();
+            running.spawn(async move { me.tidy_one(&q).await });
+        }
+        while let Some(r) = running.join_next().await {
+            live += r.unwrap_or(0);
         }
         self.metrics.set("agent_permits_live", &[], live as f64);
+    }
+
+    /// [`Permits::tidy`] of one quota: its live permits after it.
+    async fn tidy_one(&self, q: &PermitQuota) -> i64 {
+        match self.call(q, Goal::Tidy).await {
+            Ok(_) | Err(Error::AllocatorUnreachable) => {}
+            Err(e) => {
+                tracing::debug!(tenant = %q.tenant, resource = %q.resource, error = %e, "permit lease call")
+            }
+        }
+        match scripts::permit_plan(&self.store, &q.prefix, None).await {
+            Ok(PermitPlan { state: Some(s), .. }) => {
+                if s.live == 0 && s.cap == 0 {
+                    self.forget_if_idle(q);
+                }
+                s.live
+            }
+            _ => 0,
+        }
     }
 }
 

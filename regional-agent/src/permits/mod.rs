@@ -39,6 +39,9 @@ use std::time::{Duration, Instant};
 /// Most concurrency quotas one agent keeps in memory.
 pub const MAX_QUOTAS: usize = 10_000;
 
+/// Most concurrency quotas `GET /v1/status` lists (one Redis call each).
+pub const STATUS_MAX: usize = 100;
+
 /// How long a quota with no permit out and none held stays in memory.
 const IDLE: Duration = Duration::from_secs(600);
 
@@ -168,6 +171,32 @@ impl Permits {
     /// Every known quota (for the maintenance task).
     fn all(&self) -> Vec<Arc<PermitQuota>> {
         self.quotas.lock().unwrap().values().cloned().collect()
+    }
+
+    /// The status of at most `max` known quotas (by name), as the region's
+    /// Redis holds their permits.
+    pub async fn status(&self, max: usize) -> Vec<serde_json::Value> {
+        let mut qs = self.all();
+        qs.sort_by(|a, b| (&a.tenant, &a.resource).cmp(&(&b.tenant, &b.resource)));
+        let mut out = Vec::new();
+        for q in qs.into_iter().take(max) {
+            let p = q.policy();
+            let plan = crate::scripts::permit_plan(&self.store, &q.prefix, None).await.ok();
+            let s = plan.and_then(|p| p.state);
+            out.push(serde_json::json!({
+                "tenant": q.tenant,
+                "resource": q.resource,
+                "max_in_flight": p.map(|p| p.max_in_flight),
+                "permit_ttl_secs": p.map(|p| p.ttl_ms / 1000),
+                "policy_version": p.map(|p| p.version),
+                "live": s.map(|s| s.live),
+                "cap": s.map(|s| s.cap),
+                "lease_in_ms": s.map(|s| s.lease_in_ms.max(0)),
+                "blocked_in_ms": s.map(|s| s.blocked_in_ms.max(0)),
+                "lost": p.is_some() && plan.is_some() && s.is_none(),
+            }));
+        }
+        out
     }
 
     /// Forgets a quota idle for [`IDLE`] that holds nothing.
