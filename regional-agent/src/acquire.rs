@@ -279,9 +279,28 @@ pub(crate) async fn acquire(
     resp
 }
 
-/// An acquire of one concurrency quota (see [`crate::permits`]).
+/// An acquire of one concurrency quota (see [`crate::permits`]): a permit,
+/// or why not, with the policy version that decided when it is known.
 async fn permit(app: &AppState, req: &Acquire, started: Instant) -> Response {
-    let (resp, outcome) = Box::pin(crate::permits::http::acquire(app, req)).await;
+    let r = Box::pin(crate::permit_routes::decide(app, req)).await;
+    let (outcome, version, mut resp) = match r {
+        Ok(t) => (
+            "permit",
+            Some(t.policy.version),
+            Json(Admitted::permit(&t, app.clock.now_utc())).into_response(),
+        ),
+        Err(e) => {
+            let version = app
+                .permits
+                .get(&req.tenant, &req.wants[0].resource)
+                .and_then(|q| q.policy())
+                .map(|p| p.version);
+            (e.code(), version, e.into_response())
+        }
+    };
+    if let Some(v) = version {
+        resp.headers_mut().insert(crate::headers::POLICY_VERSION_HEADER, axum::http::HeaderValue::from(v));
+    }
     tracing::Span::current().record("outcome", outcome);
     app.metrics.inc("agent_acquire_total", &[("outcome", outcome)]);
     app.metrics.observe("agent_acquire_seconds", &[], started.elapsed().as_secs_f64());

@@ -103,8 +103,8 @@ pub fn router() -> Router<AppState> {
     ),
     paths(
         crate::acquire::acquire,
-        crate::permits::http::release,
-        crate::permits::http::renew,
+        crate::permit_routes::release,
+        crate::permit_routes::renew,
         status,
         healthz,
         readyz,

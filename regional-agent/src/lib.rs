@@ -278,6 +278,7 @@ pub mod keys;
 pub mod legacy;
 pub mod negative;
 pub mod outbox;
+pub mod permit_routes;
 pub mod permits;
 pub mod plan;
 pub mod quotas;
@@ -341,7 +342,7 @@ pub fn router(app: AppState) -> Router {
         .on_failure(());
     Router::new()
         .merge(acquire::router())
-        .merge(permits::http::router())
+        .merge(permit_routes::router())
         .merge(health::router())
         .fallback(|req: Request| async move { error::Error::NoRoute(req.uri().path().to_string()) })
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))

@@ -19,10 +19,9 @@
 //! applied and are compare-and-set on both sides, so replicas of a region
 //! and answers that arrive late cannot undo each other.
 //!
-//! Parts: [`rule`] (pure), [`lease`] (the calls and the maintenance task),
-//! [`http`] (the routes and the acquire's answer).
+//! Parts: [`rule`] (pure), [`lease`] (the calls and the maintenance task);
+//! the routes are `crate::permit_routes`'s, above the app state.
 
-pub mod http;
 pub mod lease;
 pub mod rule;
 

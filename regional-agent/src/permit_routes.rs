@@ -1,15 +1,16 @@
-//! The permit routes (`POST /v1/permits/{permit_id}/release` and
-//! `/renew`) and the answer of an acquire on a concurrency quota.
+//! The permit routes of concurrency quotas (`POST
+//! /v1/permits/{permit_id}/release` and `/renew`) and the decision of an
+//! acquire on one; the permits themselves are `crate::permits`'s.
 
 use crate::app::AppState;
 use crate::error::{Error, ErrorAnswer, Result};
-use crate::headers::POLICY_VERSION_HEADER;
+use crate::permits::lease::Taken;
 use crate::request::{visible_ascii, Acquire, MAX_KEY_LEN};
 use crate::scripts::PermitReturn;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{Path, State};
-use axum::http::{HeaderValue, StatusCode};
+use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Json, Router};
@@ -95,14 +96,20 @@ pub(crate) async fn release(
     Path(permit_id): Path<String>,
     body: std::result::Result<Bytes, BytesRejection>,
 ) -> Response {
-    let r = async {
-        let key = holder(body)?;
-        match app.permits.give_back(&permit_id, &key, false).await? {
-            PermitReturn::NotHolder => Err(Error::NotHolder(permit_id.clone())),
-            r => Ok(Released { permit_id: permit_id.clone(), released: r == PermitReturn::Released }),
+    respond(
+        async {
+            let key = holder(body)?;
+            match app.permits.give_back(&permit_id, &key, false).await? {
+                PermitReturn::NotHolder => Err(Error::NotHolder(permit_id.clone())),
+                r => Ok(Released { permit_id: permit_id.clone(), released: r == PermitReturn::Released }),
+            }
         }
-    }
-    .await;
+        .await,
+    )
+}
+
+/// The one mapping of a permit route's result to its answer.
+fn respond<T: Serialize>(r: Result<T>) -> Response {
     match r {
         Ok(b) => Json(b).into_response(),
         Err(e) => e.into_response(),
@@ -123,7 +130,7 @@ pub(crate) async fn release(
         (status = 404, description = "permit_not_found: released or expired (the job no longer holds a permit)", body = ErrorAnswer),
         (status = 409, description = "not_holder: handed out to another key; nothing changed", body = ErrorAnswer),
         (status = 422, description = "invalid_field: not a permit id, or a bad key", body = ErrorAnswer),
-        (status = 503, description = "store_unavailable, or allocator_unreachable for a replica that never learnt the quota's policy", body = ErrorAnswer),
+        (status = 503, description = "store_unavailable", body = ErrorAnswer),
     ),
     tag = "agent"
 )]
@@ -132,65 +139,40 @@ pub(crate) async fn renew(
     Path(permit_id): Path<String>,
     body: std::result::Result<Bytes, BytesRejection>,
 ) -> Response {
-    let r = async {
-        let key = holder(body)?;
-        match app.permits.give_back(&permit_id, &key, true).await? {
-            PermitReturn::Renewed { expires_in_ms } => {
-                Ok(Renewed { permit_id: permit_id.clone(), expires_in_ms })
+    respond(
+        async {
+            let key = holder(body)?;
+            match app.permits.give_back(&permit_id, &key, true).await? {
+                PermitReturn::Renewed { expires_in_ms } => {
+                    Ok(Renewed { permit_id: permit_id.clone(), expires_in_ms })
+                }
+                PermitReturn::NotHolder => Err(Error::NotHolder(permit_id.clone())),
+                _ => Err(Error::PermitNotFound(permit_id.clone())),
             }
-            PermitReturn::NotHolder => Err(Error::NotHolder(permit_id.clone())),
-            _ => Err(Error::PermitNotFound(permit_id.clone())),
         }
-    }
-    .await;
-    match r {
-        Ok(b) => Json(b).into_response(),
-        Err(e) => e.into_response(),
-    }
+        .await,
+    )
 }
 
-/// The answer to an acquire of one concurrency quota: a permit, or why
-/// not; with its outcome (`permit` or the error code).
-pub(crate) async fn acquire(app: &AppState, req: &Acquire) -> (Response, &'static str) {
+/// The decision of an acquire of one concurrency quota: a permit, or why
+/// not (the acquire route answers it, see `crate::acquire`).
+pub(crate) async fn decide(app: &AppState, req: &Acquire) -> Result<Taken> {
     let w = &req.wants[0];
-    let name = format!("{}/{}", req.tenant, w.resource);
-    let r = async {
-        if w.cost != 1 {
-            return Err(Error::PolicyRefuses {
-                field: "cost".into(),
-                reason: crate::error::PolicyRefusal::ConcurrencyQuota,
-                message: format!(
-                    "{name} is a concurrency quota: an acquire takes one permit (cost 1), got {}",
-                    w.cost
-                ),
-            });
-        }
-        let _in_flight = app.decider.shed.enter(req.priority).map_err(|s| {
-            app.metrics.inc("agent_shed_total", &[("priority", crate::shed::label(s.priority))]);
-            Error::Shed { priority: s.priority }
-        })?;
-        app.guard.admit()?;
-        let q = app.permits.get(&req.tenant, &w.resource).ok_or(Error::TooManyQuotas)?;
-        app.permits.take(&q, req.key.as_deref().unwrap_or(""), req.request_id.as_deref()).await
+    if w.cost != 1 {
+        return Err(Error::PolicyRefuses {
+            field: "cost".into(),
+            reason: crate::error::PolicyRefusal::ConcurrencyQuota,
+            message: format!(
+                "{}/{} is a concurrency quota: an acquire takes one permit (cost 1), got {}",
+                req.tenant, w.resource, w.cost
+            ),
+        });
     }
-    .await;
-    let now = app.clock.now_utc();
-    match r {
-        Ok(t) => {
-            let body = crate::acquire::Admitted::permit(&t, now);
-            let mut resp = Json(body).into_response();
-            resp.headers_mut().insert(POLICY_VERSION_HEADER, HeaderValue::from(t.policy.version));
-            (resp, "permit")
-        }
-        Err(e) => {
-            let version =
-                app.permits.get(&req.tenant, &w.resource).and_then(|q| q.policy()).map(|p| p.version);
-            let code = e.code();
-            let mut resp = e.into_response();
-            if let Some(v) = version {
-                resp.headers_mut().insert(POLICY_VERSION_HEADER, HeaderValue::from(v));
-            }
-            (resp, code)
-        }
-    }
+    let _in_flight = app.decider.shed.enter(req.priority).map_err(|s| {
+        app.metrics.inc("agent_shed_total", &[("priority", crate::shed::label(s.priority))]);
+        Error::Shed { priority: s.priority }
+    })?;
+    app.guard.admit()?;
+    let q = app.permits.get(&req.tenant, &w.resource).ok_or(Error::TooManyQuotas)?;
+    app.permits.take(&q, req.key.as_deref().unwrap_or(""), req.request_id.as_deref()).await
 }
