@@ -196,7 +196,7 @@ fn validate(req: &PermitLeaseRequest) -> Result<()> {
     path = "/v1/permits/lease",
     request_body = PermitLeaseRequest,
     responses(
-        (status = 200, description = "The region's lease: applied (renewed for permit_ttl_secs + 30 s), or with conflict: true the lease as it is, unchanged, when seq was not the lease's", body = PermitLease),
+        (status = 200, description = "The region's lease: applied (renewed for permit_ttl_secs + max(30 s, permit_ttl_secs / 20), never shortened), or with conflict: true the lease as it is, unchanged, when seq was not the lease's", body = PermitLease),
         (status = 401, description = "Missing or wrong agent token", body = ErrorBody),
         (status = 403, description = "wrong_region: the credential acts only for another region", body = ErrorBody),
         (status = 404, description = "Unknown quota or agent", body = ErrorBody),

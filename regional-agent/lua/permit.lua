@@ -24,6 +24,8 @@
 -- KEYS[1]  P..'inc' (routes the call to the quota's slot)
 -- ARGV[1]  P, ARGV[2] the operation, then its arguments:
 --   acquire id ttl_ms holder -> {'ok', expires_in_ms, left} | {'dup', expires_in_ms, left}
+--       (ttl_ms: the agent's TTL, used only until an answer wrote the
+--       region's own in pm, which every replica then follows)
 --                               | {'mismatch'} | {'lost'} | {'blocked', ms}
 --                               | {'lease', live, cap} | {'full', live, cap}
 --       ('dup': a retried acquire with the same request id, same holder;
@@ -37,15 +39,18 @@
 --                               (never below the live permits)
 --   apply seq new_seq held exp ttl_ms
 --                            -> {'applied'} | {'stale'}
---   sync new_seq held exp block_until ttl_ms force
---                            -> {'synced'} | {'stale'}
+--   sync new_seq held exp block_ms ttl_ms force
+--                            -> {'synced'} | {'blocked'} | {'stale'}
 --       (a conflict's answer, or the first after a lost state: taken when
 --       its sequence number is newer than the state's; at the same one the
 --       cap only falls (a late answer must not undo a lower made since);
 --       force '1' takes it whatever the state says: the allocator's lease
 --       went back, so this region's record is the one that is wrong. A
---       block is set only while the state is still lost here: a replica
---       that synced meanwhile made it whole again)
+--       block of block_ms from now (after the answer) is set only while
+--       the state is lost here, whatever the caller saw when it planned: a
+--       replica that synced meanwhile made it whole again, and a state lost
+--       while the call was on its way is blocked all the same; 'blocked'
+--       says one was set)
 -- 'lost': no state, or state written on another server history (restart,
 -- failover, restored snapshot, eviction): the agent syncs with the
 -- allocator and blocks hand-outs while forgotten permits may be held.
@@ -98,6 +103,7 @@ if op == 'acquire' then
   local id, ttl, holder = ARGV[3], tonumber(ARGV[4]), ARGV[5]
   local s = state()
   if not s then return {'lost'} end
+  if s.ttl > 0 then ttl = s.ttl end
   local live = purge()
   local at = redis.call('ZSCORE', Z, id)
   if at then
@@ -164,12 +170,15 @@ elseif op == 'sync' then
       return {'synced'}
     end
   end
-  local blk = 0
-  if not s then blk = tonumber(ARGV[6]) end
+  local blk, blocked = 0, false
+  if not s and tonumber(ARGV[6]) > 0 then
+    blk, blocked = now + tonumber(ARGV[6]), true
+  end
   if s and s.blk > blk then blk = s.blk end
   redis.call('HSET', M, 'seq', seq, 'cap', held, 'exp', exp, 'blk', blk, 'ttl', ARGV[7],
     'srv', server_stamp())
   keep()
+  if blocked then return {'blocked'} end
   return {'synced'}
 end
 return redis.error_reply('permit.lua: unknown operation ' .. tostring(op))

@@ -910,9 +910,20 @@ pub async fn permit_apply(
     Ok(r.str(0) == "applied")
 }
 
+/// What `sync` did with a conflict's answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PermitSynced {
+    /// Taken.
+    Synced,
+    /// Taken on a lost state, with a block of hand-outs.
+    Blocked,
+    /// Not taken: the state already applied a newer sequence number.
+    Stale,
+}
+
 /// Takes the allocator's lease as it is (a conflict's answer, or the first
-/// answer after a lost state), blocking hand-outs until `block_until_ms`
-/// (server clock, 0: none) if the state is still lost.
+/// answer after a lost state); if the state is lost at that moment,
+/// hand-outs stop for `block_ms` from then.
 #[tracing::instrument(level = "debug", skip_all)]
 #[allow(clippy::too_many_arguments)]
 pub async fn permit_sync(
@@ -921,12 +932,16 @@ pub async fn permit_sync(
     seq: i64,
     held: i64,
     exp_ms: i64,
-    block_until_ms: i64,
+    block_ms: i64,
     ttl_ms: i64,
     force: bool,
-) -> Result<bool, StoreError> {
+) -> Result<PermitSynced, StoreError> {
     let mut inv = permit_invocation(prefix, "sync");
-    inv.arg(seq).arg(held).arg(exp_ms).arg(block_until_ms).arg(ttl_ms).arg(flag(force));
+    inv.arg(seq).arg(held).arg(exp_ms).arg(block_ms).arg(ttl_ms).arg(flag(force));
     let r: Reply = store.eval(&inv).await?;
-    Ok(r.str(0) == "synced")
+    Ok(match r.str(0).as_str() {
+        "synced" => PermitSynced::Synced,
+        "blocked" => PermitSynced::Blocked,
+        _ => PermitSynced::Stale,
+    })
 }

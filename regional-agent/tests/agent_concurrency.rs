@@ -229,9 +229,10 @@ async fn exports_from_two_regions_never_exceed_three_and_a_dead_holders_permit_c
     let id = held.add("us", &r);
     eprintln!("a dead holder's permit reached another region {back:?} after the holder's last sign of life (TTL {TTL} s)");
     // Not before its expiry; then eu gives its idle permit back (one 2 s
-    // tick at most) and us asks.
+    // tidy tick at most) and us asks: TTL + 2 s, with 3 s of margin for a
+    // slow machine.
     assert!(back >= Duration::from_millis(TTL * 1000 - 100), "{back:?}");
-    assert!(back <= Duration::from_secs(TTL + 3), "{back:?}");
+    assert!(back <= Duration::from_secs(TTL + 5), "{back:?}");
     // us's two jobs heartbeat until they end below.
     let us_jobs = {
         let (held, http, ids) = (held.clone(), us.http.clone(), [ids[2].clone(), id.clone()]);
@@ -481,15 +482,15 @@ async fn a_partition_longer_than_the_lease_and_a_lost_redis_keep_the_bound() {
     })
     .await;
     let resumed = lost.elapsed();
+    // The old permits, never renewed since, are counted live by their
+    // holders until their expiry: the new one must fit beside them.
+    held.add("after-loss", &r);
     // us's jobs learn they lost their permits at their next heartbeat.
     for id in &us_ids {
         let r = renew(&us.http, id).await;
         assert_eq!((r.status, r.error()), (404, "permit_not_found"), "{}", r.body);
         held.drop_id(id);
     }
-    // The old permits, never renewed since, are counted live by their
-    // holders until their expiry: the new one must fit beside them.
-    held.add("after-loss", &r);
     eprintln!("after the Redis loss, hand-outs resumed in {resumed:?} (TTL {TTL} s)");
     assert!(resumed >= Duration::from_secs(TTL), "{resumed:?}");
     let m = us.http.get("/metrics").await.expect(200);

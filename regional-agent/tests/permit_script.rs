@@ -1,14 +1,15 @@
 //! `lua/permit.lua` on a real Redis, rule by rule: a region never hands
 //! out more than its cap, a late answer cannot raise a cap lowered since
 //! or stretch the lease, a renewal never outlives the lease nor a state
-//! the server cannot vouch for, a lost state blocks hand-outs, expired
-//! permits are purged in bounded steps, and a retried request id gets the
-//! same permit only for the same holder.
+//! the server cannot vouch for, a conflict's answer applied to a lost
+//! state blocks hand-outs (also when the state was lost while the answer
+//! was on its way), expired permits are purged in bounded steps, and a
+//! retried request id gets the same permit only for the same holder.
 
 use quota_tests::redis::TestRedis;
 use regional_agent::client::TlsFiles;
 use regional_agent::keys::Keys;
-use regional_agent::scripts::{self, PermitReturn, PermitTake};
+use regional_agent::scripts::{self, PermitReturn, PermitSynced, PermitTake};
 use regional_agent::store::Store;
 use std::time::Duration;
 
@@ -29,7 +30,8 @@ async fn store(redis: &TestRedis) -> Store {
 async fn seeded(s: &Store, p: &str, cap: i64, lease_ms: i64, ttl_ms: i64) -> i64 {
     let plan = scripts::permit_plan(s, p, None).await.unwrap();
     assert!(plan.state.is_none(), "a fresh quota has no state");
-    assert!(scripts::permit_sync(s, p, 1, cap, plan.now_ms + lease_ms, 0, ttl_ms, false).await.unwrap());
+    let synced = scripts::permit_sync(s, p, 1, cap, plan.now_ms + lease_ms, 0, ttl_ms, false).await.unwrap();
+    assert_eq!(synced, PermitSynced::Synced);
     plan.now_ms
 }
 
@@ -56,10 +58,12 @@ async fn the_cap_holds_and_a_late_answer_cannot_raise_it_or_stretch_the_lease() 
     let lowered = scripts::permit_plan(&s, &p, Some(0)).await.unwrap().state.unwrap();
     assert_eq!((lowered.cap, lowered.live), (1, 1), "never below the live permits");
     let now = scripts::permit_plan(&s, &p, None).await.unwrap().now_ms;
-    assert!(scripts::permit_sync(&s, &p, 1, 2, now + 60_000, 0, 10_000, false).await.unwrap());
+    let late = scripts::permit_sync(&s, &p, 1, 2, now + 60_000, 0, 10_000, false).await.unwrap();
+    assert_eq!(late, PermitSynced::Synced);
     assert_eq!(scripts::permit_plan(&s, &p, None).await.unwrap().state.unwrap().cap, 1);
     // An older seq is ignored; an apply at a seq the state left is stale.
-    assert!(!scripts::permit_sync(&s, &p, 0, 3, now + 60_000, 0, 10_000, false).await.unwrap());
+    let older = scripts::permit_sync(&s, &p, 0, 3, now + 60_000, 0, 10_000, false).await.unwrap();
+    assert_eq!(older, PermitSynced::Stale);
     assert!(!scripts::permit_apply(&s, &p, 5, 6, 3, now + 60_000, 10_000).await.unwrap());
     assert_eq!(
         scripts::permit_take(&s, &p, "c", 10_000, "").await.unwrap(),
@@ -79,14 +83,20 @@ async fn renewals_stop_at_the_lease_and_at_a_state_the_server_cannot_vouch_for()
     let redis = TestRedis::start();
     let s = store(&redis).await;
     let p = Keys::new("").permit_quota("acme", "export");
-    // A lease of 5 s and permits of 60 s: no hand-out (it would outlive the lease).
-    seeded(&s, &p, 2, 5_000, 60_000).await;
+    // A lease of 5 s and permits of 2 s (the region's TTL, kept in its
+    // state, wins over the TTL the caller passes).
+    let origin = seeded(&s, &p, 2, 5_000, 2_000).await;
+    match scripts::permit_take(&s, &p, "a", 60_000, "alice").await.unwrap() {
+        PermitTake::Taken { expires_in_ms, .. } => assert_eq!(expires_in_ms, 2_000),
+        other => panic!("{other:?}"),
+    }
+    // The TTL raised to 60 s by a later answer: no hand-out (it would
+    // outlive the lease), and a renewal stops at the lease.
+    assert!(scripts::permit_apply(&s, &p, 1, 2, 2, origin + 5_000, 60_000).await.unwrap());
     assert_eq!(
-        scripts::permit_take(&s, &p, "a", 60_000, "").await.unwrap(),
-        PermitTake::Lease { live: 0, cap: 2 }
+        scripts::permit_take(&s, &p, "b", 2_000, "").await.unwrap(),
+        PermitTake::Lease { live: 1, cap: 2 }
     );
-    // Permits of 2 s fit; a renewal by the kept TTL (60 s) stops at the lease.
-    assert!(taken(&scripts::permit_take(&s, &p, "a", 2_000, "alice").await.unwrap()));
     match scripts::permit_return(&s, &p, "a", true, "alice").await.unwrap() {
         PermitReturn::Renewed { expires_in_ms } => assert!(expires_in_ms <= 5_000, "{expires_in_ms}"),
         other => panic!("{other:?}"),
@@ -99,18 +109,30 @@ async fn renewals_stop_at_the_lease_and_at_a_state_the_server_cannot_vouch_for()
     let _: i64 = redis::cmd("DEL").arg(format!("{p}pm")).query_async(&mut c).await.unwrap();
     assert_eq!(scripts::permit_return(&s, &p, "a", true, "alice").await.unwrap(), PermitReturn::Gone);
     assert_eq!(scripts::permit_take(&s, &p, "b", 2_000, "").await.unwrap(), PermitTake::Lost);
-    // A sync after a loss with a block: hand-outs wait for it.
+    // A conflict's answer applied to the lost state (however the caller
+    // planned) blocks hand-outs from then on.
     let now = scripts::permit_plan(&s, &p, None).await.unwrap().now_ms;
-    assert!(scripts::permit_sync(&s, &p, 3, 2, now + 60_000, now + 3_000, 2_000, false).await.unwrap());
+    let synced = scripts::permit_sync(&s, &p, 3, 2, now + 60_000, 3_000, 2_000, false).await.unwrap();
+    assert_eq!(synced, PermitSynced::Blocked);
     match scripts::permit_take(&s, &p, "b", 2_000, "").await.unwrap() {
-        PermitTake::Blocked { ms } => assert!((2_000..=3_000).contains(&ms), "{ms}"),
+        PermitTake::Blocked { ms } => assert!((1..=3_000).contains(&ms), "{ms}"),
         other => panic!("{other:?}"),
     }
     // A second replica's sync of the same answer, now that the state is
     // whole again, adds no block of its own.
-    assert!(scripts::permit_sync(&s, &p, 3, 2, now + 60_000, now + 30_000, 2_000, false).await.unwrap());
+    let again = scripts::permit_sync(&s, &p, 3, 2, now + 60_000, 30_000, 2_000, false).await.unwrap();
+    assert_eq!(again, PermitSynced::Synced);
     let st = scripts::permit_plan(&s, &p, None).await.unwrap().state.unwrap();
     assert!(st.blocked_in_ms <= 3_000, "{}", st.blocked_in_ms);
+    // The whole keyspace lost while an answer was on its way (the caller
+    // planned on a whole state): applying it as a conflict blocks too.
+    let _: () = redis::cmd("FLUSHALL").query_async(&mut c).await.unwrap();
+    let late = scripts::permit_sync(&s, &p, 4, 2, now + 60_000, 3_000, 2_000, false).await.unwrap();
+    assert_eq!(late, PermitSynced::Blocked);
+    assert!(matches!(
+        scripts::permit_take(&s, &p, "c", 2_000, "").await.unwrap(),
+        PermitTake::Blocked { .. }
+    ));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -126,19 +148,27 @@ async fn a_request_id_is_the_same_permit_for_its_holder_and_expired_permits_are_
         other => panic!("{other:?}"),
     }
     assert_eq!(scripts::permit_take(&s, &p, &id, 60_000, "bob").await.unwrap(), PermitTake::Mismatch);
-    // 2,000 permits of 1 ms expire at once: purged 5,000 per run at most,
-    // never failing, and their holders go with them.
-    for i in 0..2_000 {
-        assert!(taken(&scripts::permit_take(&s, &p, &format!("x{i}"), 1, "k").await.unwrap()), "{i}");
-    }
-    // Their 1 ms pass: only job-1's permit is left.
-    quota_tests::wait::until("the 1 ms permits purged", Duration::from_secs(5), || async {
-        let st = scripts::permit_plan(&s, &p, None).await.unwrap().state.unwrap();
-        (st.live == 1).then_some(())
-    })
-    .await;
+    // 6,000 permits already expired (written directly, as a long pause
+    // would leave them): one run purges 5,000 at most, never failing, the
+    // next the rest, and their holders go with them.
     let mut c =
         redis::Client::open(redis.url.as_str()).unwrap().get_multiplexed_async_connection().await.unwrap();
+    for chunk in 0..6 {
+        let mut z = redis::cmd("ZADD");
+        z.arg(format!("{p}pz"));
+        let mut h = redis::cmd("HSET");
+        h.arg(format!("{p}ph"));
+        for i in chunk * 1_000..(chunk + 1) * 1_000 {
+            z.arg(1).arg(format!("x{i}"));
+            h.arg(format!("x{i}")).arg("k");
+        }
+        let _: i64 = z.query_async(&mut c).await.unwrap();
+        let _: i64 = h.query_async(&mut c).await.unwrap();
+    }
+    let first = scripts::permit_plan(&s, &p, None).await.unwrap().state.unwrap();
+    assert_eq!(first.live, 1 + 1_000, "5,000 purged by one run");
+    let second = scripts::permit_plan(&s, &p, None).await.unwrap().state.unwrap();
+    assert_eq!(second.live, 1, "only job-1's permit is left");
     let holders: i64 = redis::cmd("HLEN").arg(format!("{p}ph")).query_async(&mut c).await.unwrap();
     assert_eq!(holders, 1);
 }

@@ -241,9 +241,9 @@ pub async fn export_concurrency(p: &Profile, bins: Bins) -> Result<ScenarioRepor
     }
     match back {
         Some(t) => run.check(
-            t >= Duration::from_millis(TTL_SECS * 1000 - 100) && t <= Duration::from_secs(TTL_SECS + 3),
+            t >= Duration::from_millis(TTL_SECS * 1000 - 100) && t <= Duration::from_secs(TTL_SECS + 5),
             format!(
-                "a dead holder's permit reached the other region {:.2} s after its last sign of life (TTL {TTL_SECS} s: not before, at most 3 s after)",
+                "a dead holder's permit reached the other region {:.2} s after its last sign of life (TTL {TTL_SECS} s: not before, at most a 2 s tidy + 3 s margin after)",
                 t.as_secs_f64()
             ),
         ),

@@ -7,7 +7,7 @@ use super::rule::{self, Goal};
 use super::{PermitPolicy, PermitQuota, Permits};
 use crate::client::CallError;
 use crate::error::{Error, Result};
-use crate::scripts::{self, PermitPlan, PermitReturn, PermitTake};
+use crate::scripts::{self, PermitPlan, PermitReturn, PermitSynced, PermitTake};
 use quota_shared::wire::{PermitLease, PermitLeaseRequest};
 use std::sync::Arc;
 use std::time::Duration;
@@ -47,24 +47,28 @@ fn store_err(_: crate::store::StoreError) -> Error {
 
 impl Permits {
     /// One lease call for `q` toward `goal`, applied to the region's
-    /// Redis. `Ok(None)`: no call was due. The region's cap falls before
-    /// the allocator hears of it and rises only after the allocator
-    /// granted (see `lua/permit.lua`).
-    pub async fn call(&self, q: &PermitQuota, goal: Goal) -> Result<Option<PermitLease>> {
+    /// Redis, with the number of permits it asked for. `Ok(None)`: no call
+    /// was due. The region's cap falls before the allocator hears of it
+    /// and rises only after the allocator granted (see `lua/permit.lua`).
+    pub async fn call(&self, q: &PermitQuota, goal: Goal) -> Result<Option<(PermitLease, i64)>> {
         let _one = q.calling.lock().await;
         let mut plan = scripts::permit_plan(&self.store, &q.prefix, None).await.map_err(store_err)?;
         // A lost (or never written) state is synced by one replica of the
         // region at a time: two syncing at once would each see the other's
-        // fresh lease as one this region forgot.
+        // fresh lease as one this region forgot. The others wait (polling,
+        // bounded by the lock's life) for the state it writes.
         let mut locked = false;
-        if plan.state.is_none() {
+        let deadline = std::time::Instant::now() + Duration::from_millis(LOST_LOCK_MS);
+        while plan.state.is_none() && !locked {
             locked = crate::commands::take_renew_lock(&self.store, &q.prefix, &self.agent, LOST_LOCK_MS)
                 .await
                 .map_err(store_err)?;
             if !locked {
-                // Another replica syncs it: give it a moment, then go on
-                // from what it wrote (or sync anyway).
-                tokio::time::sleep(Duration::from_millis(200)).await;
+                if std::time::Instant::now() >= deadline {
+                    return Err(Error::StoreUnavailable);
+                }
+                // Another replica's sync is under way: its result, soon.
+                tokio::time::sleep(Duration::from_millis(100)).await;
                 plan = scripts::permit_plan(&self.store, &q.prefix, None).await.map_err(store_err)?;
             }
         }
@@ -75,7 +79,12 @@ impl Permits {
         r
     }
 
-    async fn call_from(&self, q: &PermitQuota, goal: Goal, plan: PermitPlan) -> Result<Option<PermitLease>> {
+    async fn call_from(
+        &self,
+        q: &PermitQuota,
+        goal: Goal,
+        plan: PermitPlan,
+    ) -> Result<Option<(PermitLease, i64)>> {
         let ttl_ms = q.policy().map_or(0, |p| p.ttl_ms);
         let (seq, want, lost, origin) = match plan.state {
             // Lost, or never written: ask as a region that knows of no
@@ -118,17 +127,18 @@ impl Permits {
         let exp_ms = origin + rule::trusted_ms(answer.lease_ms);
         let ttl_ms = answer.permit_ttl_secs.saturating_mul(1000);
         if lost || answer.conflict {
-            // A conflict's answer is the allocator's lease as it is; after
-            // a loss, what it holds for the region may be out in clients'
-            // hands with no record here. (A region the allocator holds no
-            // lease for, a first touch, gets its request applied: nothing
-            // of it can be out.)
-            let block = if lost && answer.conflict {
-                rule::block_ms(answer.held, answer.lease_ms, answer.longest_ttl_secs.saturating_mul(1000))
-            } else {
-                0
-            };
-            let block_until = if block > 0 { origin + block } else { 0 };
+            // A conflict's answer is the allocator's lease as it is; if the
+            // state is lost when it is applied (before the call planned, or
+            // since), what the allocator holds for the region may be out in
+            // clients' hands with no record here. (A region the allocator
+            // holds no lease for, a first touch, gets its request applied:
+            // nothing of it can be out.)
+            let block = rule::answer_block_ms(
+                answer.conflict,
+                answer.held,
+                answer.lease_ms,
+                answer.longest_ttl_secs.saturating_mul(1000),
+            );
             let force = answer.conflict && answer.seq < seq;
             let synced = scripts::permit_sync(
                 &self.store,
@@ -136,13 +146,13 @@ impl Permits {
                 answer.seq,
                 answer.held,
                 exp_ms,
-                block_until,
+                block,
                 ttl_ms,
                 force,
             )
             .await
             .map_err(store_err)?;
-            if block > 0 && synced {
+            if synced == PermitSynced::Blocked {
                 self.metrics.inc("agent_permit_state_lost_total", &[]);
                 tracing::warn!(tenant = %q.tenant, resource = %q.resource, held = answer.held, block_ms = block,
                     "the region's permit state was lost while the allocator held permits for it: \
@@ -157,7 +167,7 @@ impl Permits {
             "agent_permit_lease_calls_total",
             &[("outcome", if answer.conflict { "conflict" } else { "applied" })],
         );
-        Ok(Some(answer))
+        Ok(Some((answer, want)))
     }
 
     /// What a failed lease call means for the request that needed it.
@@ -217,10 +227,10 @@ impl Permits {
                 PermitTake::Lost => {
                     self.call(q, Goal::Grow).await.map_err(|e| self.refuse(e))?;
                 }
-                PermitTake::Full { cap, .. } => match self.call(q, Goal::Grow).await {
+                PermitTake::Full { .. } => match self.call(q, Goal::Grow).await {
                     // The allocator had none to spare: refused now, not
                     // after more calls that would find the same.
-                    Ok(Some(a)) if !a.conflict && a.held <= cap => return Err(self.refuse(limited())),
+                    Ok(Some((a, want))) if !a.conflict && a.held < want => return Err(self.refuse(limited())),
                     Ok(_) => {}
                     // Cut off from the allocator with every permit out: the
                     // region may not hand out more (no fallback allowance).

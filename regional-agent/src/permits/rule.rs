@@ -56,6 +56,19 @@ pub fn trusted_ms(lease_ms: i64) -> i64 {
     (lease_ms - 1000 - lease_ms / 100).max(0)
 }
 
+/// The block a lease call's answer carries to the region's Redis: any
+/// conflict's (the state may have been lost since the call planned, and
+/// the script sets it only on a state lost when the answer is applied);
+/// none for an applied request (the allocator held no lease the region
+/// could have forgotten, or the region's record was whole).
+pub fn answer_block_ms(conflict: bool, held: i64, lease_ms: i64, longest_ttl_ms: i64) -> i64 {
+    if conflict {
+        block_ms(held, lease_ms, longest_ttl_ms)
+    } else {
+        0
+    }
+}
+
 /// How long hand-outs stop after the region's permit state was lost while
 /// the allocator held `held` permits for it under a lease with `lease_ms`
 /// left whose permits may live up to `longest_ttl_ms`: a permit the lost
@@ -112,6 +125,13 @@ mod tests {
     fn a_lease_is_trusted_for_less_than_the_allocator_said() {
         assert_eq!(trusted_ms(90_000), 90_000 - 1000 - 900);
         assert_eq!(trusted_ms(500), 0);
+    }
+
+    #[test]
+    fn every_conflict_carries_a_block_and_an_applied_request_none() {
+        assert_eq!(answer_block_ms(true, 2, 80_000, 60_000), 61_000);
+        assert_eq!(answer_block_ms(true, 0, 80_000, 60_000), 0);
+        assert_eq!(answer_block_ms(false, 2, 80_000, 60_000), 0);
     }
 
     #[test]
