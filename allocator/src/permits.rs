@@ -138,6 +138,16 @@ impl PermitRow {
     }
 }
 
+/// The policy columns the permit paths read (`permit_policy.sql`, and
+/// `permit_policy_lock.sql` with the row locked).
+struct PolicyCols {
+    kind: String,
+    limit_tokens: i64,
+    permit_ttl_secs: Option<i32>,
+    fail_mode: String,
+    version: i64,
+}
+
 /// A concurrency quota's policy as the permit paths read it.
 struct Semaphore {
     max_in_flight: i64,
@@ -147,22 +157,18 @@ struct Semaphore {
 }
 
 impl Semaphore {
-    /// From the policy row's columns: 409 `rate_policy` for a rate quota.
-    fn of(
-        quota: String,
-        kind: &str,
-        limit_tokens: i64,
-        permit_ttl_secs: Option<i32>,
-        fail_mode: &str,
-        version: i64,
-    ) -> Result<Semaphore> {
-        match PolicyKind::parse(kind).unwrap_or_default() {
-            PolicyKind::Rate => Err(Error::RatePolicy(quota)),
+    /// From the policy row of quota `tenant/resource`, if any: 404
+    /// `unknown_quota` without one, 409 `rate_policy` for a rate quota.
+    fn of(tenant: &str, resource: &str, row: Option<PolicyCols>) -> Result<Semaphore> {
+        let quota = || format!("{tenant}/{resource}");
+        let pol = row.ok_or_else(|| Error::UnknownQuota(quota()))?;
+        match PolicyKind::parse(&pol.kind).unwrap_or_default() {
+            PolicyKind::Rate => Err(Error::RatePolicy(quota())),
             PolicyKind::Concurrency => Ok(Semaphore {
-                max_in_flight: limit_tokens,
-                permit_ttl_secs: permit_ttl_secs.map_or(DEFAULT_PERMIT_TTL_SECS, i64::from),
-                fail_mode: FailMode::parse(fail_mode).unwrap_or(FailMode::Strict),
-                version,
+                max_in_flight: pol.limit_tokens,
+                permit_ttl_secs: pol.permit_ttl_secs.map_or(DEFAULT_PERMIT_TTL_SECS, i64::from),
+                fail_mode: FailMode::parse(&pol.fail_mode).unwrap_or(FailMode::Strict),
+                version: pol.version,
             }),
         }
     }
@@ -247,21 +253,12 @@ pub(crate) async fn lease(
     epoch = req.epoch, seq = req.seq, want = req.want,
 ))]
 async fn apply(state: &AppState, req: &PermitLeaseRequest) -> Result<PermitLease> {
-    let quota = || format!("{}/{}", req.tenant, req.resource);
     let mut tx = crate::tx::begin(&state.db).await?;
     agents::fence(&mut tx, &req.region, &req.agent, req.epoch).await?;
-    let pol = sqlx::query_file!("src/sql/permit_policy_lock.sql", req.tenant, req.resource)
+    let row = sqlx::query_file_as!(PolicyCols, "src/sql/permit_policy_lock.sql", req.tenant, req.resource)
         .fetch_optional(&mut *tx)
-        .await?
-        .ok_or_else(|| Error::UnknownQuota(quota()))?;
-    let sem = Semaphore::of(
-        quota(),
-        &pol.kind,
-        pol.limit_tokens,
-        pol.permit_ttl_secs,
-        &pol.fail_mode,
-        pol.version,
-    )?;
+        .await?;
+    let sem = Semaphore::of(&req.tenant, &req.resource, row)?;
     // After the lock, so the decision is made on the clock as it is now (I8).
     let now = state.db_clock.now(&mut tx).await?;
     let rows = sqlx::query_file_as!(PermitRow, "src/sql/permit_rows.sql", req.tenant, req.resource)
@@ -354,20 +351,11 @@ pub(crate) async fn view(
 ) -> Result<Json<PermitView>> {
     check_id("tenant", &tenant)?;
     check_id("resource", &resource)?;
-    let quota = || format!("{tenant}/{resource}");
     let mut conn = state.db.acquire().await?;
-    let pol = sqlx::query_file!("src/sql/permit_policy.sql", tenant, resource)
+    let row = sqlx::query_file_as!(PolicyCols, "src/sql/permit_policy.sql", tenant, resource)
         .fetch_optional(&mut *conn)
-        .await?
-        .ok_or_else(|| Error::UnknownQuota(quota()))?;
-    let sem = Semaphore::of(
-        quota(),
-        &pol.kind,
-        pol.limit_tokens,
-        pol.permit_ttl_secs,
-        &pol.fail_mode,
-        pol.version,
-    )?;
+        .await?;
+    let sem = Semaphore::of(&tenant, &resource, row)?;
     let now = state.db_clock.now(&mut conn).await?;
     let rows = sqlx::query_file_as!(PermitRow, "src/sql/permit_rows.sql", tenant, resource)
         .fetch_all(&mut *conn)

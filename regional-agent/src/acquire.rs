@@ -8,7 +8,7 @@ use crate::app::AppState;
 use crate::error::{Error, ErrorAnswer, PolicyRefusal, Result};
 use crate::quotas::PolicyInfo;
 use crate::request::{
-    visible_ascii, Acquire, Paid, ResourceCost, MAX_COST, MAX_KEY_LEN, MAX_REQUEST_ID_LEN, MAX_RESOURCES,
+    check_key, visible_ascii, Acquire, Paid, ResourceCost, MAX_COST, MAX_REQUEST_ID_LEN, MAX_RESOURCES,
 };
 use crate::shed::{DEFAULT_PRIORITY, MAX_PRIORITY};
 use crate::spend::decide;
@@ -67,13 +67,7 @@ const FIELDS: [&str; 8] =
     ["tenant", "resource", "cost", "resources", "request_id", "key", "priority", "body"];
 
 fn parse(body: std::result::Result<Bytes, BytesRejection>) -> Result<Acquire> {
-    let bytes = body.map_err(|r| {
-        if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
-            Error::PayloadTooLarge
-        } else {
-            Error::MalformedJson(r.body_text())
-        }
-    })?;
+    let bytes = body?;
     // The path of the value that failed (`key` for `"key": 7`,
     // `resources[0].cost` for a bad cost in the list); `.` for the body
     // itself (a missing or unknown field, named in the message).
@@ -146,12 +140,7 @@ fn parse(body: std::result::Result<Bytes, BytesRejection>) -> Result<Acquire> {
         }
     }
     if let Some(k) = &req.key {
-        if !visible_ascii(k, MAX_KEY_LEN) {
-            return Err(Error::invalid(
-                "key",
-                format!("must be 1 to {MAX_KEY_LEN} visible ASCII characters"),
-            ));
-        }
+        check_key(k)?;
     }
     let priority = match req.priority {
         None => DEFAULT_PRIORITY,

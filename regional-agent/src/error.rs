@@ -187,6 +187,18 @@ impl Error {
     }
 }
 
+/// A request body axum could not read: over the size limit (413), or
+/// broken on the way (400).
+impl From<axum::extract::rejection::BytesRejection> for Error {
+    fn from(r: axum::extract::rejection::BytesRejection) -> Error {
+        if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            Error::PayloadTooLarge
+        } else {
+            Error::MalformedJson(r.body_text())
+        }
+    }
+}
+
 /// Whole seconds, at least 1, plus up to one second of jitter so clients
 /// told to come back do not all come back at the same instant.
 pub fn retry_after_secs(ms: i64) -> i64 {

@@ -5,12 +5,11 @@
 use crate::app::AppState;
 use crate::error::{Error, ErrorAnswer, Result};
 use crate::permits::lease::Taken;
-use crate::request::{visible_ascii, Acquire, MAX_KEY_LEN};
+use crate::request::{check_key, Acquire};
 use crate::scripts::PermitReturn;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{Path, State};
-use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Json, Router};
@@ -54,13 +53,7 @@ pub struct Renewed {
 }
 
 fn holder(body: std::result::Result<Bytes, BytesRejection>) -> Result<String> {
-    let bytes = body.map_err(|r| {
-        if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
-            Error::PayloadTooLarge
-        } else {
-            Error::MalformedJson(r.body_text())
-        }
-    })?;
+    let bytes = body?;
     if bytes.iter().all(u8::is_ascii_whitespace) {
         return Ok(String::new());
     }
@@ -70,8 +63,7 @@ fn holder(body: std::result::Result<Bytes, BytesRejection>) -> Result<String> {
     })?;
     match call.key {
         None => Ok(String::new()),
-        Some(k) if visible_ascii(&k, MAX_KEY_LEN) => Ok(k),
-        Some(_) => Err(Error::invalid("key", format!("must be 1 to {MAX_KEY_LEN} visible ASCII characters"))),
+        Some(k) => check_key(&k).map(|()| k),
     }
 }
 

@@ -89,6 +89,16 @@ pub(crate) fn visible_ascii(s: &str, max: usize) -> bool {
     !s.is_empty() && s.len() <= max && s.chars().all(|c| c.is_ascii_graphic())
 }
 
+/// The check of a request's `key` (the principal), the same on every
+/// route that takes one: 1 to [`MAX_KEY_LEN`] visible ASCII characters.
+pub(crate) fn check_key(k: &str) -> Result<(), Error> {
+    if visible_ascii(k, MAX_KEY_LEN) {
+        Ok(())
+    } else {
+        Err(Error::invalid("key", format!("must be 1 to {MAX_KEY_LEN} visible ASCII characters")))
+    }
+}
+
 /// The limit a shadow-mode policy would have refused with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Shadow {
