@@ -1,6 +1,7 @@
 //! The allocator's one error enum and its mapping to HTTP (DESIGN §5):
 //! 400 malformed JSON, 401 token, 403 credential of another region, 404 unknown quota or lease, 409 stale epoch,
-//! idempotency mismatch, or a quota of the other kind (`concurrency_policy`, `rate_policy`), 412 version precondition, 413 body too large,
+//! idempotency mismatch, a quota of the other kind (`concurrency_policy`, `rate_policy`), or a rollout
+//! that is not live (`no_live_rollout`, `not_current_rollout`), 412 version precondition, 413 body too large,
 //! 422 invalid value (naming the field, and the report item when one is at
 //! fault) or a report item beyond the retention horizon (`report_expired`),
 //! 503 database unavailable. Internal errors are logged
@@ -58,6 +59,13 @@ pub enum Error {
     /// A permit lease (or view) asked of a rate quota: it has no permits.
     #[error("quota {0} is a rate policy: it has no permits; its tokens are granted through POST /v1/grants")]
     RatePolicy(String),
+    /// A promote or halt of a quota with no live rollout.
+    #[error("quota {0} has no live rollout (it ended, or never started)")]
+    NoLiveRollout(String),
+    /// A promote or halt naming another candidate than the live rollout's
+    /// (a late or replayed call about an older rollout).
+    #[error("the live rollout of {quota} is of version {live}, not {asked}")]
+    NotCurrentRollout { quota: String, asked: i64, live: i64 },
     /// `If-Match` named a version that is no longer current.
     #[error("policy version is {current}, If-Match asked for {expected}")]
     VersionMismatch { expected: String, current: i64 },
@@ -136,7 +144,9 @@ impl Error {
             Error::StaleEpoch { .. }
             | Error::IdempotencyMismatch(_)
             | Error::ConcurrencyPolicy(_)
-            | Error::RatePolicy(_) => StatusCode::CONFLICT,
+            | Error::RatePolicy(_)
+            | Error::NoLiveRollout(_)
+            | Error::NotCurrentRollout { .. } => StatusCode::CONFLICT,
             Error::VersionMismatch { .. } => StatusCode::PRECONDITION_FAILED,
             Error::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Error::DatabaseUnavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
@@ -162,6 +172,8 @@ impl Error {
             Error::IdempotencyMismatch(_) => "idempotency_mismatch",
             Error::ConcurrencyPolicy(_) => "concurrency_policy",
             Error::RatePolicy(_) => "rate_policy",
+            Error::NoLiveRollout(_) => "no_live_rollout",
+            Error::NotCurrentRollout { .. } => "not_current_rollout",
             Error::VersionMismatch { .. } => "version_mismatch",
             Error::PayloadTooLarge => "payload_too_large",
             Error::DatabaseUnavailable(_) => "database_unavailable",

@@ -86,6 +86,7 @@ pub mod policies;
 pub mod reload;
 pub mod reports;
 pub mod retention;
+pub mod rollout;
 pub mod routes;
 pub mod share;
 pub mod state;
@@ -138,6 +139,11 @@ pub fn registry() -> Registry {
         "allocator_release_batch_items_total",
         "counter",
         "Items of release requests in the batch form",
+    );
+    r.describe(
+        "allocator_rollouts_total",
+        "counter",
+        "Staged policy rollouts by outcome (started, promoted, halted, superseded)",
     );
     r.describe(
         "allocator_permit_leases_total",
@@ -208,7 +214,8 @@ pub async fn run_with_tls(
 /// [`run_with_tls`] within `limits` (header read and idle timeouts,
 /// connection bound; see `quota_shared::listen`). While serving, changed
 /// TLS files and a changed agent tokens file are reloaded (polled every
-/// second, and at once on SIGHUP).
+/// second, and at once on SIGHUP), and the rollout watcher runs
+/// ([`rollout::watch`]).
 pub async fn run_listening(
     listener: TcpListener,
     state: AppState,
@@ -217,6 +224,7 @@ pub async fn run_listening(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     let reloader = tokio::spawn(reload_files(state.auth.regions.clone(), tls.clone()));
+    let watcher = tokio::spawn(rollout::watch(state.clone()));
     let metrics = http::metrics::listener(&state.metrics);
     let router = routes::router(state);
     let served = match tls {
@@ -227,6 +235,7 @@ pub async fn run_listening(
         Some(tls) => tls::serve(listener, router, tls, limits, metrics, shutdown).await,
     };
     reloader.abort();
+    watcher.abort();
     served
 }
 

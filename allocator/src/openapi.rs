@@ -4,7 +4,7 @@
 //! public: it describes the API, not any data.
 
 use crate::{
-    agents, explain, fleet, grants, health, leases, ledger, permits, policies, reports, ui, windows,
+    agents, explain, fleet, grants, health, leases, ledger, permits, policies, reports, rollout, ui, windows,
 };
 use axum::Json;
 use quota_shared::openapi::IdentifierPatterns;
@@ -19,6 +19,8 @@ use utoipa::{Modify, OpenApi};
         policies::put_policy,
         policies::get_policy,
         policies::list_versions,
+        rollout::promote,
+        rollout::halt,
         agents::register,
         fleet::put_status,
         grants::grant,

@@ -172,6 +172,7 @@ impl PolicyRow {
             permit_ttl_secs: self.concurrency().map(|c| c.1),
             version: self.version,
             updated_at: self.updated_at,
+            rollout: None,
         }
     }
 }
@@ -511,7 +512,8 @@ pub(crate) async fn get_policy(
     check_id("tenant", &tenant)?;
     check_id("resource", &resource)?;
     let mut conn = state.db.acquire().await?;
-    Ok(Json(require(&mut conn, &tenant, &resource).await?.to_wire()))
+    let row = require(&mut conn, &tenant, &resource).await?;
+    Ok(Json(crate::rollout::with_rollout(&mut conn, &row).await?))
 }
 
 /// `PUT /v1/policies/{tenant}/{resource}`: writes a new version (I9).
@@ -553,6 +555,7 @@ pub(crate) async fn put_policy(
             )
         }
     };
+    let plan = spec.rollout.as_ref().map(crate::rollout::resolve).transpose()?;
     let mut tx = crate::tx::begin(&state.db).await?;
     // Which pools are open (I9) is decided on the one clock (I8).
     let now = state.db_clock.now(&mut tx).await?;
@@ -572,8 +575,25 @@ pub(crate) async fn put_policy(
     if let Some(was) = locked.as_ref().map(|l| PolicyKind::parse(&l.kind).unwrap_or_default()) {
         check_kind_unchanged(&tenant, &resource, was, r.kind)?;
     }
-    let version = current.unwrap_or(0) + 1;
+    if plan.is_some() {
+        crate::rollout::check_rollable(&r, locked.as_ref().map(|l| (l.kind.as_str(), l.window_secs)))?;
+    }
+    // Above every version written, a rollout's candidate included.
+    let version = crate::rollout::next_version(&mut tx, &tenant, &resource).await?;
     tracing::Span::current().record("version", version);
+    // A write during a live rollout replaces it (roll forward by hand).
+    crate::rollout::supersede(&mut tx, &state.metrics, (&tenant, &resource), now, who.0, version).await?;
+    if let Some(plan) = plan {
+        let in_force = require(&mut tx, &tenant, &resource).await?;
+        crate::rollout::start(&mut tx, (&tenant, &resource), &r, &plan, &in_force, version, now, who.0)
+            .await?;
+        let answer = crate::rollout::with_rollout(&mut tx, &in_force).await?;
+        tx.commit().await?;
+        state.metrics.inc("allocator_rollouts_total", &[("outcome", "started")]);
+        tracing::info!(%tenant, %resource, version, canary = ?plan.canary_regions, limit = r.limit,
+            soak_secs = plan.soak_secs, "policy rollout started");
+        return Ok(Json(answer));
+    }
     let row = sqlx::query_file_as!(
         PolicyRow,
         "src/sql/policy_upsert.sql",
@@ -632,9 +652,10 @@ pub(crate) async fn put_policy(
         },
     )
     .await?;
+    let answer = crate::rollout::with_rollout(&mut tx, &row).await?;
     tx.commit().await?;
     tracing::info!(%tenant, %resource, version, kind = r.kind.as_str(), limit = r.limit, "policy written");
-    Ok(Json(row.to_wire()))
+    Ok(Json(answer))
 }
 
 #[cfg(test)]

@@ -15,7 +15,8 @@ use crate::error::Error;
 use crate::http::{auth, metrics, trace};
 use crate::state::AppState;
 use crate::{
-    agents, explain, fleet, grants, health, leases, ledger, openapi, permits, policies, reports, ui, windows,
+    agents, explain, fleet, grants, health, leases, ledger, openapi, permits, policies, reports, rollout, ui,
+    windows,
 };
 use axum::extract::{DefaultBodyLimit, Request};
 use axum::middleware::from_fn_with_state;
@@ -45,6 +46,8 @@ pub fn router(state: AppState) -> Router {
     let admin_routes = Router::new()
         .route("/v1/policies/{tenant}/{resource}", put(policies::put_policy).get(policies::get_policy))
         .route("/v1/policies/{tenant}/{resource}/versions", get(policies::list_versions))
+        .route("/v1/policies/{tenant}/{resource}/rollout/promote", post(rollout::promote))
+        .route("/v1/policies/{tenant}/{resource}/rollout/halt", post(rollout::halt))
         .route("/v1/leases/{lease_id}", get(leases::get_lease))
         .route("/v1/windows/{tenant}/{resource}", get(windows::list))
         .route("/v1/permits/{tenant}/{resource}", get(permits::view))

@@ -15,28 +15,36 @@ use std::sync::Mutex;
 /// Most quotas whose refusals are counted at once.
 pub const MAX_COUNTED: usize = 10_000;
 
-/// The 429 and 503 answers of one quota in one window.
+/// The answers of one quota in one window under one policy version: the
+/// 429 and 503s (the fleet pages) and the admits (with the 429s, a staged
+/// rollout's refusal rate per version, see the allocator's `rollout.rs`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct WindowCounts {
     /// Unix seconds.
     pub window_start: i64,
+    /// The policy version counted (0: none yet).
+    pub version: i64,
     pub quota_exhausted: i64,
     pub unavailable: i64,
+    pub admitted: i64,
 }
 
 impl WindowCounts {
-    /// The counts after an answer with error code `outcome` in the window
-    /// starting at `window_start`: a new window starts from zero; answers
-    /// that are neither 429 nor 503 change nothing but the window.
-    pub fn record(self, window_start: i64, outcome: &str) -> WindowCounts {
-        let mut c = if window_start == self.window_start {
+    /// The counts after an answer with outcome `outcome` (an error code,
+    /// or the admit's source) in the window starting at `window_start`
+    /// under policy `version`: a new window or version starts from zero;
+    /// answers that are neither admits, 429 nor 503 change nothing else.
+    pub fn record(self, window_start: i64, version: i64, outcome: &str) -> WindowCounts {
+        let mut c = if window_start == self.window_start && version == self.version {
             self
         } else {
-            WindowCounts { window_start, ..Default::default() }
+            WindowCounts { window_start, version, ..Default::default() }
         };
         match outcome {
             "quota_exhausted" => c.quota_exhausted += 1,
             "allocator_unreachable" | "store_unavailable" | "policy_stale" => c.unavailable += 1,
+            // A shadow policy's refusal is admitted but counts as neither.
+            "lease" | "fallback" => c.admitted += 1,
             _ => {}
         }
         c
@@ -46,30 +54,39 @@ impl WindowCounts {
 /// What the status carries beside the quota registry.
 #[derive(Default)]
 pub struct FleetStatus {
-    counts: Mutex<HashMap<(String, String), WindowCounts>>,
+    /// By quota name ("tenant/resource"), so the decision path looks up
+    /// without building a key.
+    counts: Mutex<HashMap<String, WindowCounts>>,
     /// Entries left after the last complete drain round (-1: none yet).
     outbox_depth: AtomicI64,
 }
 
 impl FleetStatus {
-    /// Counts a refused acquire of `quota` ("tenant/resource") whose policy
-    /// is known, in the window containing `now` (the allocator's clock).
+    /// Counts an answer of `quota` ("tenant/resource") whose policy is
+    /// known, in the window containing `now` (the allocator's clock).
     pub fn count(&self, quota: &str, policy: Option<PolicyInfo>, outcome: &str, now: DateTime<Utc>) {
-        let (Some(p), Some((tenant, resource))) = (policy, quota.split_once('/')) else { return };
+        let Some(p) = policy else { return };
         if !matches!(
             outcome,
-            "quota_exhausted" | "allocator_unreachable" | "store_unavailable" | "policy_stale"
+            "quota_exhausted"
+                | "allocator_unreachable"
+                | "store_unavailable"
+                | "policy_stale"
+                | "lease"
+                | "fallback"
         ) {
             return;
         }
         let start = Window::containing(now, p.window_secs).start;
         let mut counts = self.counts.lock().unwrap();
-        let key = (tenant.to_string(), resource.to_string());
-        if counts.len() >= MAX_COUNTED && !counts.contains_key(&key) {
+        if let Some(c) = counts.get_mut(quota) {
+            *c = c.record(start, p.version, outcome);
             return;
         }
-        let c = counts.entry(key).or_default();
-        *c = c.record(start, outcome);
+        if counts.len() >= MAX_COUNTED || !quota.contains('/') {
+            return;
+        }
+        counts.insert(quota.to_string(), WindowCounts::default().record(start, p.version, outcome));
     }
 
     /// Entries left after the last complete drain round (0 before the first).
@@ -83,11 +100,11 @@ impl FleetStatus {
     }
 
     pub fn counts_of(&self, tenant: &str, resource: &str) -> Option<WindowCounts> {
-        self.counts.lock().unwrap().get(&(tenant.to_string(), resource.to_string())).copied()
+        self.counts.lock().unwrap().get(&format!("{tenant}/{resource}")).copied()
     }
 
-    /// Forgets the quotas not in `held`.
-    pub fn retain(&self, held: &HashSet<(String, String)>) {
+    /// Forgets the quotas not in `held` (names "tenant/resource").
+    pub fn retain(&self, held: &HashSet<String>) {
         self.counts.lock().unwrap().retain(|k, _| held.contains(k));
     }
 }
@@ -97,19 +114,27 @@ mod tests {
     use super::*;
 
     #[test]
-    fn counts_restart_with_each_window_and_ignore_other_answers() {
-        let c = WindowCounts::default().record(60, "quota_exhausted").record(60, "store_unavailable");
-        assert_eq!(c, WindowCounts { window_start: 60, quota_exhausted: 1, unavailable: 1 });
-        let c = c.record(60, "allocator_unreachable").record(60, "lease");
-        assert_eq!((c.quota_exhausted, c.unavailable), (1, 2));
+    fn counts_restart_with_each_window_and_version_and_ignore_other_answers() {
+        let c = WindowCounts::default().record(60, 3, "quota_exhausted").record(60, 3, "store_unavailable");
         assert_eq!(
-            c.record(120, "quota_exhausted"),
-            WindowCounts { window_start: 120, quota_exhausted: 1, unavailable: 0 }
+            c,
+            WindowCounts { window_start: 60, version: 3, quota_exhausted: 1, unavailable: 1, admitted: 0 }
+        );
+        let c = c.record(60, 3, "allocator_unreachable").record(60, 3, "lease").record(60, 3, "shadow");
+        assert_eq!((c.quota_exhausted, c.unavailable, c.admitted), (1, 2, 1));
+        assert_eq!(
+            c.record(120, 3, "quota_exhausted"),
+            WindowCounts { window_start: 120, version: 3, quota_exhausted: 1, ..Default::default() }
+        );
+        // A new version (a rollout reaching this region) counts from zero.
+        assert_eq!(
+            c.record(60, 4, "fallback"),
+            WindowCounts { window_start: 60, version: 4, admitted: 1, ..Default::default() }
         );
     }
 
     #[test]
-    fn only_known_quotas_and_refusals_are_counted() {
+    fn only_known_quotas_admits_and_refusals_are_counted() {
         let s = FleetStatus::default();
         let p = PolicyInfo {
             limit: 10,
@@ -129,7 +154,13 @@ mod tests {
         s.count("nosuch/name", None, "allocator_unreachable", now);
         assert_eq!(
             s.counts_of("atlas", "read"),
-            Some(WindowCounts { window_start: 1_800_000_000, quota_exhausted: 1, unavailable: 0 })
+            Some(WindowCounts {
+                window_start: 1_800_000_000,
+                version: 1,
+                quota_exhausted: 1,
+                unavailable: 0,
+                admitted: 1
+            })
         );
         assert_eq!(s.counts_of("nosuch", "name"), None);
     }

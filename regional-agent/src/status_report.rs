@@ -98,11 +98,15 @@ pub async fn build(app: &Reporter) -> Option<AgentStatusReport> {
     let mut keys = HashSet::new();
     let mut quotas = Vec::new();
     for q in &held {
-        keys.insert((q.tenant.clone(), q.resource.clone()));
+        keys.insert(format!("{}/{}", q.tenant, q.resource));
         let Some(p) = q.policy() else { continue };
         let open = Window::containing(now, p.window_secs);
-        let c = app.fleet_status.counts_of(&q.tenant, &q.resource).filter(|c| c.window_start == open.start);
-        let c = c.unwrap_or(WindowCounts { window_start: open.start, ..Default::default() });
+        let c = app
+            .fleet_status
+            .counts_of(&q.tenant, &q.resource)
+            .filter(|c| c.window_start == open.start && c.version == p.version);
+        let c =
+            c.unwrap_or(WindowCounts { window_start: open.start, version: p.version, ..Default::default() });
         let m = crate::gauges::mode(reachable, Some(p), &q.view.lock().unwrap());
         quotas.push(AgentQuotaStatus {
             tenant: q.tenant.clone(),
@@ -111,6 +115,8 @@ pub async fn build(app: &Reporter) -> Option<AgentStatusReport> {
             window_start: open.start_at(),
             quota_exhausted: c.quota_exhausted,
             unavailable: c.unavailable,
+            admitted: c.admitted,
+            policy_version: Some(c.version),
         });
     }
     app.fleet_status.retain(&keys);
@@ -181,6 +187,8 @@ mod tests {
             window_start: chrono::DateTime::from_timestamp(0, 0).unwrap(),
             quota_exhausted: e,
             unavailable: 0,
+            admitted: 0,
+            policy_version: Some(1),
         };
         let all =
             vec![q("a", QuotaMode::Leased, 0), q("b", QuotaMode::Leased, 2), q("c", QuotaMode::Fallback, 0)];

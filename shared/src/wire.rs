@@ -309,6 +309,148 @@ pub struct PolicySpec {
     /// none): at most 4, one per `up_to_priority`, summing to at most 100.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reserve: Option<Vec<ReserveSpec>>,
+    /// Publish the change to canary regions first (a staged rollout, rate
+    /// policies only; see docs/api.md "Staged rollouts").
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rollout: Option<RolloutSpec>,
+}
+
+/// `rollout` of a policy `PUT`: the new version goes to `canary_regions`
+/// first and to every region after `soak_secs`, unless the canary's
+/// refusal rate under it rises above the old version's by `halt_factor`
+/// (and above 1 %), in which case it halts by itself.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Default)]
+#[cfg_attr(feature = "service", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct RolloutSpec {
+    /// The regions that take the new version first (1 to 16).
+    pub canary_regions: Vec<String>,
+    /// How long the canary runs before the version goes everywhere
+    /// (1 to 86,400 s, default 300).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub soak_secs: Option<i64>,
+    /// The new version halts when its refusal rate in the canary is above
+    /// this many times the old version's (1 to 1,000, default 2).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub halt_factor: Option<f64>,
+    /// Decisions under the new version the canary must have made before
+    /// the rollout halts or promotes by itself (1 to 10^9, default 100).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_decisions: Option<i64>,
+}
+
+/// Where a staged rollout stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "service", derive(utoipa::ToSchema))]
+#[serde(rename_all = "lowercase")]
+pub enum RolloutState {
+    /// The canary regions are on the new version, every other region on the old.
+    Canary,
+    /// The new version is in force everywhere.
+    Promoted,
+    /// The canary went back to the old version, published again as a newer one.
+    Halted,
+    /// A later `PUT` replaced the rollout before it ended.
+    Superseded,
+}
+
+impl RolloutState {
+    /// The name stored in the database.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RolloutState::Canary => "canary",
+            RolloutState::Promoted => "promoted",
+            RolloutState::Halted => "halted",
+            RolloutState::Superseded => "superseded",
+        }
+    }
+
+    /// The state stored as `s`.
+    pub fn parse(s: &str) -> Option<RolloutState> {
+        [RolloutState::Canary, RolloutState::Promoted, RolloutState::Halted, RolloutState::Superseded]
+            .into_iter()
+            .find(|r| r.as_str() == s)
+    }
+}
+
+/// A version's decisions in a rollout, summed over the agents' latest
+/// statuses (each agent's counts of its open window).
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Default)]
+#[cfg_attr(feature = "service", derive(utoipa::ToSchema))]
+pub struct VersionCounts {
+    pub version: i64,
+    pub admitted: i64,
+    /// Answered `429 quota_exhausted`.
+    pub refused: i64,
+}
+
+impl VersionCounts {
+    /// Decisions counted.
+    pub fn decisions(&self) -> i64 {
+        self.admitted + self.refused
+    }
+
+    /// Refused ÷ decisions (0 without decisions).
+    pub fn refusal_rate(&self) -> f64 {
+        match self.decisions() {
+            0 => 0.0,
+            n => self.refused as f64 / n as f64,
+        }
+    }
+}
+
+/// What the rollout watcher last compared.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[cfg_attr(feature = "service", derive(utoipa::ToSchema))]
+pub struct RolloutMeasured {
+    pub at: DateTime<Utc>,
+    /// The new version in the canary regions.
+    pub new: VersionCounts,
+    /// The old version in the other regions.
+    pub old: VersionCounts,
+}
+
+/// A policy's latest staged rollout, in its `GET` answer.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[cfg_attr(feature = "service", derive(utoipa::ToSchema))]
+pub struct Rollout {
+    pub state: RolloutState,
+    /// The new version (the candidate).
+    pub version: i64,
+    /// The version in force when the rollout started.
+    pub from_version: i64,
+    /// The candidate's limit.
+    pub limit: i64,
+    pub canary_regions: Vec<String>,
+    pub soak_secs: i64,
+    pub halt_factor: f64,
+    pub min_decisions: i64,
+    pub started_at: DateTime<Utc>,
+    pub started_by: String,
+    /// When the soak time is over.
+    pub soak_ends_at: DateTime<Utc>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ended_at: Option<DateTime<Utc>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ended_by: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// The version a halt published (the old one, renumbered).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub halted_to_version: Option<i64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub measured: Option<RolloutMeasured>,
+}
+
+/// `POST /v1/policies/{tenant}/{resource}/rollout/{promote|halt}` body
+/// (optional): `version` names the rollout's candidate, so a late or
+/// replayed call about an older rollout changes nothing.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Default)]
+#[cfg_attr(feature = "service", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct RolloutAction {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub version: Option<i64>,
 }
 
 fn yes() -> bool {
@@ -382,6 +524,10 @@ pub struct Policy {
     /// Strictly increasing per quota.
     pub version: i64,
     pub updated_at: DateTime<Utc>,
+    /// The quota's latest staged rollout, if it ever had one (while its
+    /// `state` is `canary`, the canary regions are on its `version`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rollout: Option<Rollout>,
 }
 
 /// `POST /v1/agents/register` body.
@@ -715,6 +861,13 @@ pub struct AgentQuotaStatus {
     pub quota_exhausted: i64,
     /// Acquires answered 503 (`allocator_unreachable`, `store_unavailable`) in that window.
     pub unavailable: i64,
+    /// Acquires admitted in that window (absent from older agents: 0).
+    #[serde(default)]
+    pub admitted: i64,
+    /// The policy version these counts are of: they restart when it changes
+    /// (absent from older agents).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub policy_version: Option<i64>,
 }
 
 /// `PUT /v1/agents/{region}/{agent}/status` body: what an agent says about

@@ -31,6 +31,15 @@ pub fn parse_json<T: DeserializeOwned>(value: &serde_json::Value) -> Result<T, E
     axum::Json::<T>::from_bytes(&bytes).map(|axum::Json(v)| v).map_err(json_rejection)
 }
 
+/// An optional JSON body: none (or only white space) is `None`; anything
+/// else must be a `T`, with the same rejections as `ApiJson<T>`.
+pub fn parse_optional_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<Option<T>, Error> {
+    if bytes.iter().all(u8::is_ascii_whitespace) {
+        return Ok(None);
+    }
+    axum::Json::<T>::from_bytes(bytes).map(|axum::Json(v)| Some(v)).map_err(json_rejection)
+}
+
 fn json_rejection(r: JsonRejection) -> Error {
     match r {
         JsonRejection::JsonDataError(e) => {

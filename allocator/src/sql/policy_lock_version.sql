@@ -1,3 +1,3 @@
--- The quota's current version and kind, its row locked until the writer's
--- commit.
-select version, kind from policy where tenant = $1 and resource = $2 for update
+-- The quota's current version, kind and window, its row locked until the
+-- writer's commit.
+select version, kind, window_secs from policy where tenant = $1 and resource = $2 for update

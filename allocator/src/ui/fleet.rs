@@ -304,6 +304,8 @@ mod tests {
             window_start: DateTime::from_timestamp(start, 0).unwrap(),
             quota_exhausted: e,
             unavailable: u,
+            admitted: 0,
+            policy_version: None,
         };
         let agent = |region: &str, agent: &str, age: i64, quotas| AgentStatusRow {
             region: region.into(),
