@@ -365,6 +365,8 @@ const ROUTES: &[(&str, &str, Class)] = &[
     ("put", "/v1/policies/{tenant}/{resource}", Class::Admin),
     ("get", "/v1/policies/{tenant}/{resource}", Class::Admin),
     ("get", "/v1/policies/{tenant}/{resource}/versions", Class::Admin),
+    ("post", "/v1/policies/{tenant}/{resource}/rollout/promote", Class::Admin),
+    ("post", "/v1/policies/{tenant}/{resource}/rollout/halt", Class::Admin),
     ("get", "/v1/leases/{lease_id}", Class::Admin),
     ("get", "/v1/windows/{tenant}/{resource}", Class::Admin),
     ("get", "/v1/ledger", Class::Admin),
@@ -407,6 +409,13 @@ async fn call(http: &Http, method: &str, template: &str, lease_id: &str, epoch: 
             let body = json!({"tenant": "atlas", "resource": "jobs", "region": "eu", "agent": "eu-1",
                 "epoch": epoch, "seq": 0, "want": 0});
             http.post(&path, &body).await
+        }
+        ("post", t) if t.contains("/rollout/") => {
+            // A live rollout to end (a call without the admin token is
+            // refused at the PUT as at the POST).
+            let put = json!({"limit": 100, "window_secs": 60, "rollout": {"canary_regions": ["eu"]}});
+            http.put("/v1/policies/atlas/read", &put).await;
+            http.post(&path, &json!({})).await
         }
         ("post", "/v1/leases/release") => {
             http.post(&path, &json!({"items": [{"lease_id": lease_id, "epoch": epoch, "unspent": 0}]})).await
