@@ -296,8 +296,9 @@ async fn permit(app: &AppState, req: &Acquire, started: Instant) -> Response {
     resp
 }
 
-/// One quota's counts of an answer (refusal gauges, fleet status).
-fn count(app: &AppState, name: &str, policy: Option<PolicyInfo>, outcome: &str) {
+/// One quota's counts of an answer (refusal gauges, the fleet status and
+/// with it a staged rollout's counts per version), over HTTP or RLS.
+pub fn count(app: &AppState, name: &str, policy: Option<PolicyInfo>, outcome: &str) {
     crate::gauges::count_decision(&app.metrics, name, policy, outcome);
     app.fleet_status.count(name, policy, outcome, app.allocator_now());
 }

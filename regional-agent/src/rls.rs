@@ -390,6 +390,18 @@ impl Rls {
             pos[w] = Some(p);
         }
         let over = matches!(o.result, Some(Err(_)));
+        // Counted like HTTP's answers: each quota admitted, or the one that refused.
+        for (p, &w) in o.decided.iter().enumerate() {
+            let outcome = match o.result {
+                Some(Ok(d)) => d.parts.get(p).map(|part| part.outcome()),
+                Some(Err((e, at))) if at == p => Some(e.code()),
+                _ => None,
+            };
+            if let Some(outcome) = outcome {
+                let name = format!("{}/{}", read.tenant, read.wants[w].0);
+                crate::acquire::count(&self.app, &name, o.policies.get(p).copied(), outcome);
+            }
+        }
         let statuses = read
             .of
             .iter()
