@@ -37,6 +37,10 @@ pub const SCENARIOS: &[(&str, &str)] = &[
         "export-concurrency",
         "F27: exports capped at 3 in flight across regions: load, a dead holder, a double release, a partition",
     ),
+    (
+        "policy-rollout",
+        "F24/F25: a version 100x too tight rolled out to the canary halts by itself; then a roll forward",
+    ),
     ("netns-partition", "a region cut off at the kernel level (network namespace)"),
 ];
 

@@ -22,6 +22,7 @@ mod netns;
 mod outcomes;
 mod postgres;
 mod redis;
+mod rollout;
 
 use crate::bins;
 use crate::report::{self, ScenarioReport, Verdict};
@@ -78,6 +79,7 @@ async fn run_one(name: &str, p: &Profile, bins: &bins::Bins) -> Result<ScenarioR
         "zombie" => faults::zombie(p, b).await,
         "paused-agent" => faults::paused_agent(p, b).await,
         "export-concurrency" => concurrency::export_concurrency(p, b).await,
+        "policy-rollout" => rollout::policy_rollout(p, b).await,
         "netns-partition" => faults::netns_partition(p, b).await,
         other => Err(format!("unknown scenario {other:?}; `quota-lab chaos --list` names them")),
     }
