@@ -311,7 +311,7 @@ impl Quota {
         // The same version with other fields: the record was written from
         // a grant answer this replica has not seen (one that carried the
         // version's reserves or stale behaviour, say), so it is adopted.
-        if cur.is_none_or(|c| c.version < p.version || (c.version == p.version && c != p)) {
+        if adopts(*cur, &p) {
             *cur = Some(p);
         }
         *cur
@@ -328,7 +328,7 @@ impl Quota {
         let p = PolicyInfo::from_grant(g);
         let changed = {
             let mut cur = self.policy.lock().unwrap();
-            let changed = cur.is_none_or(|c| c != p && c.version <= p.version);
+            let changed = adopts(*cur, &p);
             if changed {
                 *cur = Some(p);
             }
@@ -342,6 +342,15 @@ impl Quota {
             let _ = crate::commands::policy_write(store, &self.prefix, &fields).await;
         }
     }
+}
+
+/// Whether a replica holding `cur` takes `p`: versions only move forward
+/// (a late or replayed grant answer of an older version, e.g. the candidate
+/// of a rollout halted since, is ignored); the same version with other
+/// fields is adopted (a record written from an answer that carried the
+/// version's reserves or stale behaviour).
+pub fn adopts(cur: Option<PolicyInfo>, p: &PolicyInfo) -> bool {
+    cur.is_none_or(|c| c != *p && c.version <= p.version)
 }
 
 /// Unleased tokens of the quota's pool per window, as the allocator's last
@@ -590,6 +599,29 @@ mod tests {
         assert!(u.len() <= MAX_UNKNOWN, "{}", u.len());
         assert!(u.contains("t", &format!("r{}", MAX_UNKNOWN + 9)));
         assert!(!u.contains("t", "never"));
+    }
+
+    #[test]
+    fn versions_only_move_forward() {
+        let v = |version: i64, limit: i64| PolicyInfo {
+            limit,
+            window_secs: 60,
+            fail_mode: FailMode::Strict,
+            fallback_allowance: 0,
+            version,
+            per_key: None,
+            enforce: true,
+            on_stale: Default::default(),
+            held: [0; 5],
+        };
+        assert!(adopts(None, &v(2, 10)));
+        // A rollout's candidate 2 (limit 10), then the halt's 3 (limit 1000):
+        // a late answer naming 2 changes nothing.
+        assert!(adopts(Some(v(2, 10)), &v(3, 1000)));
+        assert!(!adopts(Some(v(3, 1000)), &v(2, 10)));
+        // The same version seen again: nothing to do; with other fields: taken.
+        assert!(!adopts(Some(v(3, 1000)), &v(3, 1000)));
+        assert!(adopts(Some(v(3, 1000)), &PolicyInfo { held: [1, 0, 0, 0, 0], ..v(3, 1000) }));
     }
 
     #[test]
