@@ -245,7 +245,7 @@ begin
     -- agents' negative caches and renewers wait out this hint, and a halt
     -- must reach the canary (or a promotion everyone) at once, not at the
     -- window's end.
-    if cand.version is not null then
+    if cand.version is not null and retry is not null then
         retry := least(retry, 1000);
     end if;
 

@@ -1,7 +1,7 @@
 //! The allocator's one error enum and its mapping to HTTP (DESIGN §5):
 //! 400 malformed JSON, 401 token, 403 credential of another region, 404 unknown quota or lease, 409 stale epoch,
 //! idempotency mismatch, a quota of the other kind (`concurrency_policy`, `rate_policy`), or a rollout
-//! that is not live (`no_live_rollout`, `not_current_rollout`), 412 version precondition, 413 body too large,
+//! that is not live (`no_live_rollout`, `not_current_rollout`) or already live (`rollout_in_progress`), 412 version precondition, 413 body too large,
 //! 422 invalid value (naming the field, and the report item when one is at
 //! fault) or a report item beyond the retention horizon (`report_expired`),
 //! 503 database unavailable. Internal errors are logged
@@ -59,6 +59,10 @@ pub enum Error {
     /// A permit lease (or view) asked of a rate quota: it has no permits.
     #[error("quota {0} is a rate policy: it has no permits; its tokens are granted through POST /v1/grants")]
     RatePolicy(String),
+    /// A rollout asked while another of the same quota is live: its canary
+    /// regions hold its candidate, which a second rollout could not take back.
+    #[error("quota {quota} has a live rollout of version {version}: promote or halt it first (a PUT without rollout replaces it)")]
+    RolloutInProgress { quota: String, version: i64 },
     /// A promote or halt of a quota with no live rollout.
     #[error("quota {0} has no live rollout (it ended, or never started)")]
     NoLiveRollout(String),
@@ -146,7 +150,8 @@ impl Error {
             | Error::ConcurrencyPolicy(_)
             | Error::RatePolicy(_)
             | Error::NoLiveRollout(_)
-            | Error::NotCurrentRollout { .. } => StatusCode::CONFLICT,
+            | Error::NotCurrentRollout { .. }
+            | Error::RolloutInProgress { .. } => StatusCode::CONFLICT,
             Error::VersionMismatch { .. } => StatusCode::PRECONDITION_FAILED,
             Error::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Error::DatabaseUnavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
@@ -173,6 +178,7 @@ impl Error {
             Error::ConcurrencyPolicy(_) => "concurrency_policy",
             Error::RatePolicy(_) => "rate_policy",
             Error::NoLiveRollout(_) => "no_live_rollout",
+            Error::RolloutInProgress { .. } => "rollout_in_progress",
             Error::NotCurrentRollout { .. } => "not_current_rollout",
             Error::VersionMismatch { .. } => "version_mismatch",
             Error::PayloadTooLarge => "payload_too_large",

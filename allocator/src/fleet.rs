@@ -68,6 +68,7 @@ pub fn validate(req: &AgentStatusReport) -> Result<()> {
         check_id(&format!("quotas[{i}].resource"), &q.resource)?;
         check_count(&format!("quotas[{i}].quota_exhausted"), q.quota_exhausted, 0)?;
         check_count(&format!("quotas[{i}].unavailable"), q.unavailable, 0)?;
+        check_count(&format!("quotas[{i}].per_key_limited"), q.per_key_limited, 0)?;
         check_count(&format!("quotas[{i}].admitted"), q.admitted, 0)?;
         if let Some(v) = q.policy_version {
             check_count(&format!("quotas[{i}].policy_version"), v, 1)?;
@@ -169,6 +170,7 @@ mod tests {
             window_start: DateTime::from_timestamp(1_800_000_000, 0).unwrap(),
             quota_exhausted: 0,
             unavailable: 0,
+            per_key_limited: 0,
             admitted: 0,
             policy_version: None,
         }

@@ -563,24 +563,28 @@ pub(crate) async fn put_policy(
     let locked = sqlx::query_file!("src/sql/policy_lock_version.sql", tenant, resource)
         .fetch_optional(&mut *tx)
         .await?;
-    let current = locked.as_ref().map(|l| l.version);
+    // Above every version written, a rollout's candidate included.
+    let version = crate::rollout::next_version(&mut tx, &tenant, &resource).await?;
+    tracing::Span::current().record("version", version);
+    // If-Match names the newest version written: during a rollout, its
+    // candidate (so an edit made from a read older than the rollout fails).
+    let newest = (locked.is_some()).then_some(version - 1);
     if let Some(expected) = if_match {
-        if current != Some(expected) {
+        if newest != Some(expected) {
             return Err(Error::VersionMismatch {
                 expected: expected.to_string(),
-                current: current.unwrap_or(0),
+                current: newest.unwrap_or(0),
             });
         }
     }
     if let Some(was) = locked.as_ref().map(|l| PolicyKind::parse(&l.kind).unwrap_or_default()) {
         check_kind_unchanged(&tenant, &resource, was, r.kind)?;
     }
-    if plan.is_some() {
+    if let Some(plan) = &plan {
         crate::rollout::check_rollable(&r, locked.as_ref().map(|l| (l.kind.as_str(), l.window_secs)))?;
+        crate::rollout::check_regions_known(&mut tx, plan).await?;
+        crate::rollout::refuse_if_live(&mut tx, &tenant, &resource).await?;
     }
-    // Above every version written, a rollout's candidate included.
-    let version = crate::rollout::next_version(&mut tx, &tenant, &resource).await?;
-    tracing::Span::current().record("version", version);
     // A write during a live rollout replaces it (roll forward by hand).
     crate::rollout::supersede(&mut tx, &state.metrics, (&tenant, &resource), now, who.0, version).await?;
     if let Some(plan) = plan {

@@ -147,16 +147,33 @@ pub enum Verdict {
     Promote(String),
 }
 
+/// How a rollout stands in time: soaking, soaked, or past twice its soak.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Age {
+    Soaking,
+    Soaked,
+    /// Twice the soak time is over: a canary that has still not made
+    /// `min_decisions` decisions under the new version is halted.
+    Expired,
+}
+
 /// The rule: `new` are the canary's decisions under the new version, `old`
-/// the other regions' under the old one; `soaked` once the soak time is over.
+/// the other regions' under the old one.
 pub fn verdict(
     new: VersionCounts,
     old: VersionCounts,
     halt_factor: f64,
     min_decisions: i64,
-    soaked: bool,
+    age: Age,
 ) -> Verdict {
     if new.decisions() < min_decisions {
+        if age == Age::Expired {
+            return Verdict::Halt(format!(
+                "the canary made {} of the {min_decisions} decisions needed under version {} in twice the soak time: not enough to promote it (halted, the safe side)",
+                new.decisions(),
+                new.version
+            ));
+        }
         return Verdict::Wait;
     }
     let (rn, ro) = (new.refusal_rate(), old.refusal_rate());
@@ -171,7 +188,7 @@ pub fn verdict(
             old.version
         ));
     }
-    if soaked {
+    if age != Age::Soaking {
         return Verdict::Promote(format!(
             "soaked: the canary refused {:.1} % of {} decisions under version {}; the other regions {:.1} % under version {}",
             rn * 100.0,
@@ -205,6 +222,33 @@ async fn lock_live(conn: &mut PgConnection, tenant: &str, resource: &str) -> Res
         min_decisions: r.min_decisions,
         started_at: r.started_at,
     }))
+}
+
+/// Refuses a second rollout while one is live (under the policy row's
+/// lock): a halt or promotion of the first moves its canary regions on,
+/// a rollout over it could not (agents never take a lower version).
+pub async fn refuse_if_live(conn: &mut PgConnection, tenant: &str, resource: &str) -> Result<()> {
+    match lock_live(conn, tenant, resource).await? {
+        Some(live) => {
+            Err(Error::RolloutInProgress { quota: format!("{tenant}/{resource}"), version: live.to_version })
+        }
+        None => Ok(()),
+    }
+}
+
+/// Refuses canary regions no agent ever registered in (a typo would make a
+/// rollout that can never be promoted).
+pub async fn check_regions_known(conn: &mut PgConnection, plan: &Plan) -> Result<()> {
+    let unknown = sqlx::query_file_scalar!("src/sql/rollout_unknown_regions.sql", &plan.canary_regions)
+        .fetch_all(conn)
+        .await?;
+    match unknown.first().and_then(|u| plan.canary_regions.iter().position(|r| r == u)) {
+        Some(i) => Err(Error::invalid(
+            format!("rollout.canary_regions[{i}]"),
+            format!("no agent of region {} ever registered", plan.canary_regions[i]),
+        )),
+        None => Ok(()),
+    }
 }
 
 /// The version the next write of the quota takes (under the policy row's lock).
@@ -628,8 +672,12 @@ async fn watch_one(state: &AppState, tenant: &str, resource: &str) -> Result<()>
     };
     let now = state.db_clock.now_on(&state.db).await?;
     let measured = measure(state, (tenant, resource), &live, now).await?;
-    let soaked = now >= live.started_at + chrono::Duration::seconds(live.soak_secs);
-    let decided = verdict(measured.new, measured.old, live.halt_factor, live.min_decisions, soaked);
+    let age = match now.signed_duration_since(live.started_at).num_seconds() {
+        s if s >= 2 * live.soak_secs => Age::Expired,
+        s if s >= live.soak_secs => Age::Soaked,
+        _ => Age::Soaking,
+    };
+    let decided = verdict(measured.new, measured.old, live.halt_factor, live.min_decisions, age);
     let (action, reason) = match decided {
         Verdict::Wait => {
             let v = serde_json::to_value(&measured).map_err(|e| Error::Internal(Box::new(e)))?;
@@ -687,27 +735,31 @@ mod tests {
     #[test]
     fn a_canary_refusing_far_more_than_the_old_version_halts() {
         // F25: 1,000/min published as 10/min refuses 99 % in the canary.
-        let v = verdict(c(8, 10, 990), c(7, 1000, 0), 2.0, 100, false);
+        let v = verdict(c(8, 10, 990), c(7, 1000, 0), 2.0, 100, Age::Soaking);
         assert!(matches!(v, Verdict::Halt(ref why) if why.contains("99.0 %")), "{v:?}");
         // Twice the old rate is not above it; a hair more is.
-        assert_eq!(verdict(c(8, 80, 20), c(7, 90, 10), 2.0, 100, false), Verdict::Wait);
-        assert!(matches!(verdict(c(8, 79, 21), c(7, 90, 10), 2.0, 100, false), Verdict::Halt(_)));
+        assert_eq!(verdict(c(8, 80, 20), c(7, 90, 10), 2.0, 100, Age::Soaking), Verdict::Wait);
+        assert!(matches!(verdict(c(8, 79, 21), c(7, 90, 10), 2.0, 100, Age::Soaking), Verdict::Halt(_)));
     }
 
     #[test]
     fn small_rates_and_few_decisions_never_halt() {
         // At or below the floor, whatever the old version refused.
-        assert_eq!(verdict(c(8, 990, 10), c(7, 1000, 0), 2.0, 100, false), Verdict::Wait);
+        assert_eq!(verdict(c(8, 990, 10), c(7, 1000, 0), 2.0, 100, Age::Soaking), Verdict::Wait);
         // Not enough decisions under the new version yet: neither halt nor promote.
-        assert_eq!(verdict(c(8, 0, 99), c(7, 1000, 0), 2.0, 100, true), Verdict::Wait);
+        assert_eq!(verdict(c(8, 0, 99), c(7, 1000, 0), 2.0, 100, Age::Soaked), Verdict::Wait);
+        // Still not enough in twice the soak time: halted, the safe side.
+        let v = verdict(c(8, 60, 0), c(7, 1000, 0), 2.0, 100, Age::Expired);
+        assert!(matches!(v, Verdict::Halt(ref why) if why.contains("60 of the 100")), "{v:?}");
+        assert!(matches!(verdict(c(8, 100, 0), c(7, 1000, 0), 2.0, 100, Age::Expired), Verdict::Promote(_)));
     }
 
     #[test]
     fn a_soaked_rollout_is_promoted_unless_it_must_halt() {
-        assert!(matches!(verdict(c(8, 200, 0), c(7, 1000, 0), 2.0, 100, true), Verdict::Promote(_)));
+        assert!(matches!(verdict(c(8, 200, 0), c(7, 1000, 0), 2.0, 100, Age::Soaked), Verdict::Promote(_)));
         // Both versions refuse alike (the quota is simply spent): promoted.
-        assert!(matches!(verdict(c(8, 50, 50), c(7, 500, 500), 2.0, 100, true), Verdict::Promote(_)));
-        assert!(matches!(verdict(c(8, 50, 50), c(7, 1000, 0), 2.0, 100, true), Verdict::Halt(_)));
+        assert!(matches!(verdict(c(8, 50, 50), c(7, 500, 500), 2.0, 100, Age::Soaked), Verdict::Promote(_)));
+        assert!(matches!(verdict(c(8, 50, 50), c(7, 1000, 0), 2.0, 100, Age::Soaked), Verdict::Halt(_)));
     }
 
     #[test]

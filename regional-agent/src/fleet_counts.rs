@@ -25,7 +25,11 @@ pub struct WindowCounts {
     /// The policy version counted (0: none yet).
     pub version: i64,
     pub quota_exhausted: i64,
+    /// 429 `per_key_limited`: a principal's bucket refused.
+    pub per_key_limited: i64,
     pub unavailable: i64,
+    /// Answered 200: from a lease, the fallback allowance, or a shadow
+    /// policy's refusal (admitted all the same).
     pub admitted: i64,
 }
 
@@ -42,9 +46,9 @@ impl WindowCounts {
         };
         match outcome {
             "quota_exhausted" => c.quota_exhausted += 1,
+            "per_key_limited" => c.per_key_limited += 1,
             "allocator_unreachable" | "store_unavailable" | "policy_stale" => c.unavailable += 1,
-            // A shadow policy's refusal is admitted but counts as neither.
-            "lease" | "fallback" => c.admitted += 1,
+            "lease" | "fallback" | "shadow" => c.admitted += 1,
             _ => {}
         }
         c
@@ -118,10 +122,17 @@ mod tests {
         let c = WindowCounts::default().record(60, 3, "quota_exhausted").record(60, 3, "store_unavailable");
         assert_eq!(
             c,
-            WindowCounts { window_start: 60, version: 3, quota_exhausted: 1, unavailable: 1, admitted: 0 }
+            WindowCounts {
+                window_start: 60,
+                version: 3,
+                quota_exhausted: 1,
+                unavailable: 1,
+                ..Default::default()
+            }
         );
         let c = c.record(60, 3, "allocator_unreachable").record(60, 3, "lease").record(60, 3, "shadow");
-        assert_eq!((c.quota_exhausted, c.unavailable, c.admitted), (1, 2, 1));
+        let c = c.record(60, 3, "per_key_limited").record(60, 3, "not_found");
+        assert_eq!((c.quota_exhausted, c.per_key_limited, c.unavailable, c.admitted), (1, 1, 2, 2));
         assert_eq!(
             c.record(120, 3, "quota_exhausted"),
             WindowCounts { window_start: 120, version: 3, quota_exhausted: 1, ..Default::default() }
@@ -158,8 +169,8 @@ mod tests {
                 window_start: 1_800_000_000,
                 version: 1,
                 quota_exhausted: 1,
-                unavailable: 0,
-                admitted: 1
+                admitted: 1,
+                ..Default::default()
             })
         );
         assert_eq!(s.counts_of("nosuch", "name"), None);

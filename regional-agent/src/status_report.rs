@@ -115,6 +115,7 @@ pub async fn build(app: &Reporter) -> Option<AgentStatusReport> {
             window_start: open.start_at(),
             quota_exhausted: c.quota_exhausted,
             unavailable: c.unavailable,
+            per_key_limited: c.per_key_limited,
             admitted: c.admitted,
             policy_version: Some(c.version),
         });
@@ -187,6 +188,7 @@ mod tests {
             window_start: chrono::DateTime::from_timestamp(0, 0).unwrap(),
             quota_exhausted: e,
             unavailable: 0,
+            per_key_limited: 0,
             admitted: 0,
             policy_version: Some(1),
         };

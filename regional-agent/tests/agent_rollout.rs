@@ -139,6 +139,11 @@ async fn a_version_100x_tighter_halts_by_itself_in_the_canary_and_a_good_one_rea
     let back = until_on_version(&eu.http, 3, Duration::from_secs(15)).await;
     assert_eq!(back.header("quota-policy-version"), Some("3"));
     until_on_version(&us.http, 3, Duration::from_secs(15)).await;
+    // Once on 3, never back to 2 (a late answer naming the candidate is ignored).
+    for _ in 0..20 {
+        let r = acquire(&eu.http, "atlas", "read").await;
+        assert_eq!(r.header("quota-policy-version"), Some("3"), "{} {}", r.status, r.body);
+    }
     // A late halt or promote naming the old candidate changes nothing.
     let late = admin.post("/v1/policies/atlas/read/rollout/promote", &json!({"version": 2})).await;
     assert_eq!((late.status, late.error()), (409, "no_live_rollout"), "{}", late.body);

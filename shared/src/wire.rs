@@ -380,7 +380,7 @@ impl RolloutState {
 pub struct VersionCounts {
     pub version: i64,
     pub admitted: i64,
-    /// Answered `429 quota_exhausted`.
+    /// Answered `429 quota_exhausted` or `per_key_limited`.
     pub refused: i64,
 }
 
@@ -861,7 +861,12 @@ pub struct AgentQuotaStatus {
     pub quota_exhausted: i64,
     /// Acquires answered 503 (`allocator_unreachable`, `store_unavailable`) in that window.
     pub unavailable: i64,
-    /// Acquires admitted in that window (absent from older agents: 0).
+    /// Acquires answered `429 per_key_limited` in that window (absent from
+    /// older agents: 0).
+    #[serde(default)]
+    pub per_key_limited: i64,
+    /// Acquires admitted in that window, a shadow policy's refusals
+    /// included (absent from older agents: 0).
     #[serde(default)]
     pub admitted: i64,
     /// The policy version these counts are of: they restart when it changes

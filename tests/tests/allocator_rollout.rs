@@ -65,6 +65,14 @@ async fn grants_follow_each_regions_version_and_rollouts_end_by_hand_or_by_a_lat
     let w = http.get("/v1/windows/atlas/read").await.expect(200).body;
     assert_eq!(w["windows"][0]["limit"].as_i64(), Some(1000), "{w}");
 
+    // A second rollout while this one is live: refused (eu holds version 2,
+    // which only a halt or promotion moves it off).
+    let second = http.put("/v1/policies/atlas/read", &rollout(500, json!({"canary_regions": ["us"]}))).await;
+    assert_eq!((second.status, second.error()), (409, "rollout_in_progress"), "{}", second.body);
+    // If-Match names the newest version written: the candidate, not the
+    // version in force (an edit from a read older than the rollout fails).
+    let stale = http.put_with("/v1/policies/atlas/read", &policy(900), &[("if-match", "1")]).await;
+    assert_eq!((stale.status, stale.error()), (412, "version_mismatch"), "{}", stale.body);
     // Promote or halt naming another candidate: refused, nothing changes.
     let late = http.post("/v1/policies/atlas/read/rollout/halt", &json!({"version": 1})).await;
     assert_eq!((late.status, late.error()), (409, "not_current_rollout"), "{}", late.body);
@@ -78,6 +86,10 @@ async fn grants_follow_each_regions_version_and_rollouts_end_by_hand_or_by_a_lat
         (Some("halted"), Some(3))
     );
     assert_eq!(granted(http, "eu", eu, 2, 50).await, (3, 50, 1000));
+    let pool_limit = |http: Http| async move {
+        http.get("/v1/windows/atlas/read").await.expect(200).body["windows"][0]["limit"].as_i64()
+    };
+    assert_eq!(pool_limit(http.clone()).await, Some(1000));
     let again = http.post("/v1/policies/atlas/read/rollout/halt", &json!({})).await;
     assert_eq!((again.status, again.error()), (409, "no_live_rollout"));
 
@@ -93,6 +105,7 @@ async fn grants_follow_each_regions_version_and_rollouts_end_by_hand_or_by_a_lat
         .body;
     assert_eq!((pr["version"].as_i64(), pr["limit"].as_i64()), (Some(4), Some(2000)), "{pr}");
     assert_eq!(granted(http, "us", us, 3, 50).await.0, 4);
+    assert_eq!(pool_limit(http.clone()).await, Some(2000), "the open pool takes the promoted limit");
 
     // A write during a rollout supersedes it (roll forward by hand).
     http.put("/v1/policies/atlas/read", &rollout(10, json!({}))).await.expect(200);
@@ -100,6 +113,7 @@ async fn grants_follow_each_regions_version_and_rollouts_end_by_hand_or_by_a_lat
     assert_eq!((d["version"].as_i64(), d["rollout"]["state"].as_str()), (Some(6), Some("superseded")), "{d}");
     assert_eq!(d["rollout"]["reason"], "superseded by version 6");
     assert_eq!(granted(http, "eu", eu, 3, 50).await.0, 6);
+    assert_eq!(pool_limit(http.clone()).await, Some(3000));
     let versions: Vec<i64> = http.get("/v1/policies/atlas/read/versions").await.expect(200).body["versions"]
         .as_array()
         .unwrap()
@@ -140,6 +154,10 @@ async fn rollout_fields_are_checked_and_named() {
         assert_eq!(status, 422, "{extra}");
         assert!(f.starts_with(name), "{extra}: field {f}, expected {name}");
     }
+    // A canary region no agent ever registered in (a typo) cannot be promoted.
+    let typo = http.put("/v1/policies/atlas/read", &rollout(10, json!({"canary_regions": ["eu"]}))).await;
+    assert_eq!(field(typo), (422, "rollout.canary_regions[0]".into()));
+    register(http, "eu", "eu-1").await;
     let mut other_window = rollout(10, json!({}));
     other_window["window_secs"] = json!(60);
     assert_eq!(

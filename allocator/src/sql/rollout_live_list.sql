@@ -1,6 +1,7 @@
--- The live rollouts for the watcher, oldest first.
+-- The live rollouts for the watcher, in random order (a bound per round
+-- that never starves the same ones).
 select tenant, resource, to_version
 from policy_rollout
 where state = 'canary'
-order by started_at
+order by random()
 limit $1

@@ -304,6 +304,7 @@ mod tests {
             window_start: DateTime::from_timestamp(start, 0).unwrap(),
             quota_exhausted: e,
             unavailable: u,
+            per_key_limited: 0,
             admitted: 0,
             policy_version: None,
         };
