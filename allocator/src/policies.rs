@@ -528,7 +528,8 @@ pub(crate) async fn get_policy(
     responses(
         (status = 200, description = "The policy with its new version", body = Policy),
         (status = 401, description = "Missing or wrong admin token", body = ErrorBody),
-        (status = 412, description = "If-Match names a version that is no longer current", body = ErrorBody),
+        (status = 409, description = "rollout_in_progress: a rollout asked while another of the quota is live", body = ErrorBody),
+        (status = 412, description = "If-Match names a version that is no longer the newest written (during a rollout, its candidate)", body = ErrorBody),
         (status = 422, description = "Invalid value; the message and `field` name the field (a field of the other kind of policy; `kind` when it differs from the quota's, which never changes)", body = ErrorBody),
     ),
     security(("admin_token" = [])),
