@@ -145,6 +145,10 @@ pub fn registry() -> Registry {
         "counter",
         "Staged policy rollouts by outcome (started, promoted, halted, superseded)",
     );
+    // From 0, so the first halt is an increase an alert can see.
+    for outcome in ["started", "promoted", "halted", "superseded"] {
+        r.inc_by("allocator_rollouts_total", &[("outcome", outcome)], 0.0);
+    }
     r.describe(
         "allocator_permit_leases_total",
         "counter",
