@@ -140,10 +140,7 @@ impl PolicyRow {
 
     /// Fallback allowance a region gets per window under this policy.
     pub fn fallback_allowance(&self) -> i64 {
-        match self.fail_mode() {
-            FailMode::Bounded => self.fallback_per_region,
-            FailMode::Strict => 0,
-        }
+        allowance(self.fail_mode(), self.fallback_per_region)
     }
 
     /// The reserves (written validated; a row that does not parse has none).
@@ -174,6 +171,15 @@ impl PolicyRow {
             updated_at: self.updated_at,
             rollout: None,
         }
+    }
+}
+
+/// The fallback allowance a region gets per window under `mode` with
+/// `fallback_per_region` (none in strict mode).
+pub fn allowance(mode: FailMode, fallback_per_region: i64) -> i64 {
+    match mode {
+        FailMode::Bounded => fallback_per_region,
+        FailMode::Strict => 0,
     }
 }
 

@@ -357,15 +357,9 @@ pub async fn start(
     )
     .execute(&mut *conn)
     .await?;
-    let allowance = |mode: quota_shared::wire::FailMode, per_region: i64| {
-        if mode == quota_shared::wire::FailMode::Bounded {
-            per_region
-        } else {
-            0
-        }
-    };
     let pool_limit = r.limit.max(current.limit_tokens);
-    let pool_allowance = allowance(r.fail_mode, r.fallback_per_region).max(current.fallback_allowance());
+    let pool_allowance =
+        crate::policies::allowance(r.fail_mode, r.fallback_per_region).max(current.fallback_allowance());
     sqlx::query_file!(
         "src/sql/pool_apply_policy.sql",
         tenant,
@@ -659,17 +653,9 @@ async fn measure(
     })
 }
 
-/// One look at one live rollout: measure, then halt, promote or record.
-async fn watch_one(state: &AppState, tenant: &str, resource: &str) -> Result<()> {
-    let live = {
-        let mut tx = crate::tx::begin(&state.db).await?;
-        let live = lock_live(&mut tx, tenant, resource).await?;
-        tx.commit().await?;
-        match live {
-            Some(l) => l,
-            None => return Ok(()),
-        }
-    };
+/// One look at one live rollout, as the round's list read it (ending it
+/// locks and checks it again, see [`act`]).
+async fn watch_one(state: &AppState, tenant: &str, resource: &str, live: Live) -> Result<()> {
     let now = state.db_clock.now_on(&state.db).await?;
     let measured = measure(state, (tenant, resource), &live, now).await?;
     let age = match now.signed_duration_since(live.started_at).num_seconds() {
@@ -717,7 +703,15 @@ pub async fn watch(state: AppState) {
             }
         };
         for r in live {
-            if let Err(e) = watch_one(&state, &r.tenant, &r.resource).await {
+            let l = Live {
+                to_version: r.to_version,
+                from_version: r.from_version,
+                soak_secs: i64::from(r.soak_secs),
+                halt_factor: r.halt_factor,
+                min_decisions: r.min_decisions,
+                started_at: r.started_at,
+            };
+            if let Err(e) = watch_one(&state, &r.tenant, &r.resource, l).await {
                 tracing::warn!(tenant = %r.tenant, resource = %r.resource, error = %e, "rollout watcher round failed");
             }
         }
