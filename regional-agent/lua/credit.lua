@@ -43,8 +43,11 @@ local life = tonumber(ARGV[8])
 redis.call('HSET', lk, 'tokens', tokens, 'spent', 0, 'ws', ARGV[7], 'agent', ARGV[4], 'epoch', epoch)
 redis.call('PEXPIRE', lk, tonumber(ARGV[10]))
 if life <= 0 then
-  -- Expired on arrival: never spendable, all of it goes back.
+  -- Expired on arrival: never spendable, all of it goes back. Its book is
+  -- kept as a finished one's (BOOK_KEEP_MS, prelude.lua), long enough to
+  -- know a replay of the grant, not the counters' week.
   redis.call('HSET', lk, 'done', '1')
+  redis.call('PEXPIRE', lk, BOOK_KEEP_MS)
   if tokens > 0 then
     redis.call('RPUSH', P .. 'ob:' .. ARGV[4], cjson.encode({k = 'rel', id = id, u = tokens}))
   end
