@@ -18,6 +18,7 @@
 //! * [`figures`]: the docs' figure blocks, generated from committed reports and checked.
 //! * [`chart`]: the same rows as an SVG chart.
 //! * [`scenarios`]: the chaos scenarios and their verdicts.
+//! * [`gameday`]: seed 002's ten game days as drills over the scenarios and the flood row.
 //! * [`demo`]: the one-command demo.
 //! * [`envoy_front`], [`envoy_traffic`]: the demo through Envoy (`--envoy`): the Envoys and
 //!   their upstream, and what the clients send them and read from their answers.
@@ -32,6 +33,7 @@ mod demo_table;
 pub mod envoy_front;
 pub mod envoy_traffic;
 pub mod figures;
+pub mod gameday;
 pub mod install;
 pub mod pg_conn;
 pub mod pools;

@@ -36,6 +36,8 @@ enum Cmd {
     Chaos(chaos::scenarios::ChaosArgs),
     /// Measures decision latency, grant rate, renewal cost, utilization, scaling.
     Bench(chaos::bench::BenchArgs),
+    /// Runs seed 002's ten game days as drills, each with a numeric verdict.
+    Gameday(chaos::gameday::GamedayArgs),
 }
 
 fn main() -> ExitCode {
@@ -53,6 +55,12 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     }
+    if let Cmd::Gameday(a) = &cli.cmd {
+        if !a.list && chaos::gameday::needs_release(&a.only) && !chaos::profile::optimised() {
+            eprintln!("quota-lab: {}", chaos::profile::GAMEDAY_USE_RELEASE);
+            return ExitCode::from(2);
+        }
+    }
     let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
@@ -65,6 +73,7 @@ fn main() -> ExitCode {
             Cmd::Demo(a) => chaos::demo::run(a).await,
             Cmd::Chaos(a) => chaos::scenarios::run(a).await,
             Cmd::Bench(a) => chaos::bench::run(a).await,
+            Cmd::Gameday(a) => chaos::gameday::run(a).await,
         }
     });
     match result {

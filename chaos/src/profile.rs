@@ -21,6 +21,11 @@ pub fn optimised() -> bool {
 pub const USE_RELEASE: &str = "benchmarks measure the release build: run `cargo lab bench ...` \
                                (it builds and runs target/release/quota-lab), or --smoke to check the harness";
 
+/// What a debug quota-lab says when asked for a game day with drill 2.
+pub const GAMEDAY_USE_RELEASE: &str = "drill 2 (the hot-tenant flood) measures latency in the release build: run \
+                                       `cargo lab gameday ...` (it builds and runs target/release/quota-lab), or \
+                                       leave drill 2 out with --only";
+
 #[cfg(test)]
 mod tests {
     use super::bench_needs_release;

@@ -79,6 +79,11 @@ pub struct ScenarioReport {
     /// Every check that failed, and notes on what the scenario did.
     pub notes: Vec<String>,
     pub seconds: f64,
+    /// Named figures the run measured (the game day's verdicts read them):
+    /// every run's window figures (`admitted_max_per_window`,
+    /// `bound_per_window`, `windows`) and the scenario's own.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub figures: BTreeMap<String, f64>,
 }
 
 /// Joins the tally (raw keys) with the accounts; windows with neither

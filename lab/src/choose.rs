@@ -37,7 +37,7 @@ pub fn profile(args: &[String], wanted: Option<&str>, seen: Seen) -> Result<Prof
         Some("release") => Some(Profile::Release),
         Some(other) => return Err(format!("QUOTA_LAB_PROFILE must be `dev` or `release`, not `{other}`")),
     };
-    if bench && !smoke {
+    if (bench && !smoke) || gameday_measures(args) {
         return Ok(Profile::Release);
     }
     if let Some(p) = forced {
@@ -48,6 +48,26 @@ pub fn profile(args: &[String], wanted: Option<&str>, seen: Seen) -> Result<Prof
         (Some(_), None) => Profile::Dev,
         _ => Profile::Release,
     })
+}
+
+/// Whether `args` run a game day with drill 2 (the hot-tenant flood, a
+/// latency measurement): every drill, or `--only 2` among those chosen.
+/// Quota-lab refuses that run in a debug build, as it does a measuring
+/// bench.
+fn gameday_measures(args: &[String]) -> bool {
+    if args.first().is_none_or(|a| a != "gameday") || args.iter().any(|a| a == "--list") {
+        return false;
+    }
+    let mut only = Vec::new();
+    let mut it = args.iter().skip(1);
+    while let Some(a) = it.next() {
+        if a == "--only" {
+            only.extend(it.next().cloned());
+        } else if let Some(v) = a.strip_prefix("--only=") {
+            only.push(v.to_string());
+        }
+    }
+    only.is_empty() || only.iter().any(|v| v == "2")
 }
 
 /// Whether cargo sets the variable `name` for the package it builds or
@@ -105,6 +125,22 @@ mod tests {
         assert_eq!(profile(&args("bench --smoke"), None, dev_only), Ok(Profile::Dev));
         // `--smoke` elsewhere than after `bench` does not make a chaos run a bench.
         assert_eq!(profile(&args("chaos --profile short"), None, dev_only), Ok(Profile::Dev));
+    }
+
+    #[test]
+    fn a_game_day_with_the_flood_drill_is_release_one_without_follows_the_builds() {
+        let dev_only = Seen { dev: Some(SystemTime::UNIX_EPOCH), release: None };
+        for (a, want) in [
+            ("gameday", Profile::Release),
+            ("gameday --quick", Profile::Release),
+            ("gameday --only 2", Profile::Release),
+            ("gameday --only 3 --only=2", Profile::Release),
+            ("gameday --quick --only 3 --only 7", Profile::Dev),
+            ("gameday --list", Profile::Dev),
+            ("chaos --only 2", Profile::Dev),
+        ] {
+            assert_eq!(profile(&args(a), None, dev_only), Ok(want), "{a}");
+        }
     }
 
     #[test]

@@ -117,6 +117,13 @@ pub struct Config {
     #[arg(long, env = "AGENT_GRPC_MAX_STREAMS_PER_CONNECTION", default_value_t = 1024)]
     pub grpc_max_streams_per_connection: u32,
 
+    /// Adds up to one second, at random, to every `Retry-After` (and
+    /// `retry_after_s`), so clients refused together come back spread over
+    /// two seconds instead of in one wave (seed 002 F26; `cargo lab
+    /// gameday --only 3` measures both). `false` answers the bare wait.
+    #[arg(long, env = "AGENT_RETRY_AFTER_JITTER", default_value_t = true, action = clap::ArgAction::Set)]
+    pub retry_after_jitter: bool,
+
     /// Address to serve the agent API on.
     #[arg(long, env = "AGENT_LISTEN", default_value = "127.0.0.1:7171")]
     pub listen: SocketAddr,

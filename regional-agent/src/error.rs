@@ -12,6 +12,7 @@ use axum::http::{HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use rand::Rng;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 /// Why a policy can never admit a request as sent.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -199,11 +200,27 @@ impl From<axum::extract::rejection::BytesRejection> for Error {
     }
 }
 
-/// Whole seconds, at least 1, plus up to one second of jitter so clients
-/// told to come back do not all come back at the same instant.
+/// `--retry-after-jitter`. A process-wide switch rather than a field of
+/// the app's settings: an error is turned into its answer (`IntoResponse`)
+/// with no access to the app, and the switch is set once, before serving.
+static RETRY_AFTER_JITTER: AtomicBool = AtomicBool::new(true);
+
+/// Sets `--retry-after-jitter` (at start).
+pub fn set_retry_after_jitter(on: bool) {
+    RETRY_AFTER_JITTER.store(on, Ordering::Relaxed);
+}
+
+/// Whole seconds, at least 1, plus (unless `--retry-after-jitter false`) up
+/// to one second of jitter so clients told to come back do not all come
+/// back at the same instant.
 pub fn retry_after_secs(ms: i64) -> i64 {
-    let base = ((ms.max(1) + 999) / 1000).max(1);
-    base + rand::rng().random_range(0..=1)
+    let jitter = if RETRY_AFTER_JITTER.load(Ordering::Relaxed) { rand::rng().random_range(0..=1) } else { 0 };
+    whole_secs(ms) + jitter
+}
+
+/// `ms` rounded up to whole seconds, at least 1.
+fn whole_secs(ms: i64) -> i64 {
+    ((ms.max(1) + 999) / 1000).max(1)
 }
 
 /// The body of a `429` on `POST /v1/acquire` (and of every other error,
@@ -264,5 +281,17 @@ impl IntoResponse for Error {
             resp.headers_mut().insert("retry-after", HeaderValue::from(s));
         }
         resp
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::whole_secs;
+
+    #[test]
+    fn a_wait_rounds_up_to_whole_seconds_of_at_least_one() {
+        for (ms, want) in [(-5, 1), (0, 1), (1, 1), (999, 1), (1000, 1), (1001, 2), (2500, 3)] {
+            assert_eq!(whole_secs(ms), want, "{ms} ms");
+        }
     }
 }

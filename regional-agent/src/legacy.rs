@@ -30,8 +30,9 @@
 //! Not covered: starting an older agent in a region already upgraded
 //! (a downgrade) is seen at the next look of a new agent, not before;
 //! per-key buckets and request-id records start afresh in the new layout
-//! (a key may get up to one burst more in the region, a retry that crosses
-//! the upgrade may be decided again; both within the bound).
+//! (while both layouts serve a region a key is judged by two buckets, up
+//! to twice its rate plus one burst more; a retry that crosses the upgrade
+//! may be decided again; both within the quota's bound).
 
 use crate::commands;
 use crate::keys::{Keys, Layout};

@@ -624,6 +624,7 @@ async fn futures_join_all(tasks: Vec<JoinHandle<()>>) {
 /// What the binary does: validate, connect, serve until a signal arrives.
 pub async fn serve(config: config::Config) -> Result<(), String> {
     let mut settings = config.settings()?;
+    error::set_retry_after_jitter(config.retry_after_jitter);
     fit_open_files(&mut settings);
     let addr = config.listen;
     if !addr.ip().is_loopback() {

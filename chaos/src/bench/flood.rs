@@ -21,11 +21,17 @@ const FLOODED: (&str, &str) = ("flooding", "spent");
 const FLOOD_CLIENTS: usize = 64;
 const OTHER_CLIENTS: usize = 4;
 
-/// `POST /v1/acquire` on the spent quota: done when refused with `429
-/// quota_exhausted`, as every attempt after the first must be.
-fn flood_op(client: reqwest::Client, base: &str) -> Op {
+/// `POST /v1/acquire` of `quota` (tenant, resource): done when answered
+/// `want` (its body read, so the connection goes back to the pool).
+fn acquire_answering(
+    client: reqwest::Client,
+    base: &str,
+    quota: (&str, &str),
+    want: u16,
+    what: &'static str,
+) -> Op {
     let url = format!("{base}/v1/acquire");
-    let body = json!({"tenant": FLOODED.0, "resource": FLOODED.1}).to_string().into_bytes();
+    let body = json!({"tenant": quota.0, "resource": quota.1}).to_string().into_bytes();
     Arc::new(move |_, _| {
         let (client, url, body) = (client.clone(), url.clone(), body.clone());
         async move {
@@ -35,18 +41,27 @@ fn flood_op(client: reqwest::Client, base: &str) -> Op {
                 .body(body)
                 .send()
                 .await
-                .map_err(|e| format!("flood acquire: {e}"))?;
-            match r.status().as_u16() {
-                429 => Ok(()),
-                s => Err(format!("flood acquire answered {s}, not 429")),
+                .map_err(|e| format!("{what}: {e}"))?;
+            let status = r.status().as_u16();
+            let _ = r.bytes().await;
+            if status == want {
+                Ok(())
+            } else {
+                Err(format!("{what} answered {status}, not {want}"))
             }
         }
         .boxed()
     })
 }
 
+/// `POST /v1/acquire` on the spent quota: done when refused with `429
+/// quota_exhausted`, as every attempt after the first must be.
+fn flood_op(client: reqwest::Client, base: &str) -> Op {
+    acquire_answering(client, base, FLOODED, 429, "flood acquire")
+}
+
 /// The agent's spend-script runs so far.
-async fn spend_runs(http: &reqwest::Client, base: &str) -> Result<f64, String> {
+pub(crate) async fn spend_runs(http: &reqwest::Client, base: &str) -> Result<f64, String> {
     let text = async { http.get(format!("{base}/metrics")).send().await?.text().await }
         .await
         .map_err(|e| format!("agent /metrics: {e}"))?;
@@ -133,4 +148,33 @@ pub async fn run(
         errors_note(out, what, s);
     }
     Ok(())
+}
+
+/// The tenant measured beside the flood in a game day's drill.
+const DRILL_OTHER: (&str, &str) = ("birch", "search");
+
+/// Game day 2 (`cargo lab gameday --only 2`): the flood row on a rig of
+/// its own (one allocator, one agent, one Redis), with the other tenant's
+/// quota large enough never to refuse. The figures are the row's
+/// `flood.*` keys.
+pub async fn drill(bins: crate::bins::Bins, plan: &Plan, progress: &dyn Fn(&str)) -> Result<Results, String> {
+    let rig = Rig::start(bins, 1).await?;
+    let redis = quota_tests::redis::TestRedis::start();
+    crate::pools::put_limit(&rig.admin, DRILL_OTHER.0, DRILL_OTHER.1, 1_000_000_000, 3600).await?;
+    let agent = rig.agent(&redis).await;
+    let http = super::acquire::client(std::time::Duration::from_secs(5))?;
+    let other = Other {
+        op: other_op(http.clone(), &agent.base),
+        name: format!("{}/{}", DRILL_OTHER.0, DRILL_OTHER.1),
+    };
+    super::acquire::warm_up("agent", other.op.clone()).await?;
+    let mut out = Results::default();
+    run(&rig, plan, &http, &agent.base, other, &mut out, progress).await?;
+    Ok(out)
+}
+
+/// `POST /v1/acquire` on the drill's other tenant (not the bench's, whose
+/// ops name the bench's tenant): done when admitted.
+fn other_op(client: reqwest::Client, base: &str) -> Op {
+    acquire_answering(client, base, DRILL_OTHER, 200, "other tenant's acquire")
 }

@@ -76,7 +76,14 @@ mod tests {
     }
 
     fn scenario(name: &str, verdict: Verdict, windows: Vec<WindowRow>) -> ScenarioReport {
-        ScenarioReport { scenario: name.into(), verdict, windows, notes: Vec::new(), seconds: 61.4 }
+        ScenarioReport {
+            scenario: name.into(),
+            verdict,
+            windows,
+            notes: Vec::new(),
+            seconds: 61.4,
+            figures: Default::default(),
+        }
     }
 
     #[test]

@@ -4,7 +4,8 @@
 //! a docs tree that cannot be written is reported on stderr and left alone.
 
 use super::{
-    blocks, markdown_files, render_bench, render_chaos, root, Figure, BENCHMARKS_MD, BENCH_JSON, CHAOS_JSON,
+    blocks, markdown_files, render_bench, render_chaos, render_gameday, root, Figure, BENCHMARKS_MD,
+    BENCH_JSON, CHAOS_JSON, GAMEDAY_JSON,
 };
 use crate::bench::report::BenchReport;
 use crate::report::ScenarioReport;
@@ -109,6 +110,15 @@ pub fn publish_chaos(report_json: &Path, reports: &[ScenarioReport]) {
     tell("the chaos run", publish(&root(), report_json, CHAOS_JSON, &figures), &|s| eprintln!("chaos: {s}"));
 }
 
+/// Publishes a whole game day (all ten drills) whose report is
+/// `report_json` (= `report`).
+pub fn publish_gameday(report_json: &Path, report: &serde_json::Value) {
+    let figures = [(Figure::Gameday, render_gameday(report))];
+    tell("the game day", publish(&root(), report_json, GAMEDAY_JSON, &figures), &|s| {
+        eprintln!("gameday: {s}")
+    });
+}
+
 /// Rewrites every block from the committed reports under `root` (after a
 /// renderer changed, without running the benchmarks or the chaos suite
 /// again); what was written and what could not be.
@@ -121,6 +131,10 @@ pub fn regenerate(root: &Path) -> Vec<String> {
     }
     match crate::bench::report::read_json::<Vec<ScenarioReport>>(&root.join(CHAOS_JSON)) {
         Ok(r) => figures.push((Figure::Chaos, render_chaos(&r))),
+        Err(e) => said.push(format!("not regenerated: {e}")),
+    }
+    match crate::bench::report::read_json::<serde_json::Value>(&root.join(GAMEDAY_JSON)) {
+        Ok(r) => figures.push((Figure::Gameday, render_gameday(&r))),
         Err(e) => said.push(format!("not regenerated: {e}")),
     }
     for file in markdown_files(root).unwrap_or_default() {

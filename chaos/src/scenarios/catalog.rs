@@ -41,6 +41,20 @@ pub const SCENARIOS: &[(&str, &str)] = &[
         "policy-rollout",
         "F24/F25: a version 100x too tight rolled out to the canary halts by itself; then a roll forward",
     ),
+    (
+        "retry-wave",
+        "F26: a synchronized wave of refused clients retries after Retry-After, with and without server jitter",
+    ),
+    ("bogus-principals", "F14/F15/F35: a flood of distinct bogus keys: Redis memory, evictions, TTLs, script rate"),
+    (
+        "key-namespace-shadow",
+        "F34: a rolling change of the Redis key layout with the policy in shadow mode, decisions diffed",
+    ),
+    (
+        "corrupted-telemetry",
+        "F30: fleet statuses corrupted, replayed and duplicated: enforcement and ledger totals unchanged",
+    ),
+    ("retried-debit", "F11: debits retried after a timeout, with and without a request_id"),
     ("netns-partition", "a region cut off at the kernel level (network namespace)"),
 ];
 

@@ -44,6 +44,11 @@ pub async fn partition(p: &Profile, bins: Bins, strict: bool) -> Result<Scenario
     let first_lease = answers.iter().filter(|a| a.status == 200 && a.lease).map(|a| a.done_ms).min();
     let unavailable = answers.iter().filter(|a| a.status == 503 && a.sent_ms >= healed_ms).count();
     let denied = answers.iter().filter(|a| a.status == 429).count();
+    run.figure("fallback_admitted_while_cut_off", during.fallback as f64);
+    run.figure("unavailable_while_cut_off", during.unavailable as f64);
+    if let Some(t) = first_lease {
+        run.figure("heal_to_first_lease_admit_ms", (t - healed_ms) as f64);
+    }
     match first_lease {
         Some(t) => run.check(
             t - healed_ms <= HEAL_BOUND_MS,

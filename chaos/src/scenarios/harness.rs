@@ -68,6 +68,8 @@ pub struct Run {
     /// RFC 3339): `lost grants × chunk_max` of an asynchronous PostgreSQL
     /// failover (DESIGN I6).
     pub bound_extra: BTreeMap<String, i64>,
+    /// Figures of the scenario's own (see [`Run::figure`]).
+    pub figures: BTreeMap<String, f64>,
     started: Instant,
 }
 
@@ -109,6 +111,7 @@ impl Run {
             lost_allowance: None,
             lost_by_window: BTreeMap::new(),
             bound_extra: BTreeMap::new(),
+            figures: BTreeMap::new(),
             started: Instant::now(),
         })
     }
@@ -174,6 +177,12 @@ impl Run {
         } else {
             self.failed.push(what);
         }
+    }
+
+    /// A named figure the scenario measured (seconds, counts, ratios): in
+    /// its report's `figures`, which `cargo lab gameday` judges.
+    pub fn figure(&mut self, name: &str, value: f64) {
+        self.figures.insert(name.to_string(), value);
     }
 
     /// A note on what the scenario did.
@@ -290,6 +299,10 @@ impl Run {
         }
         let windows = rows.len();
         self.notes.push(format!("{windows} windows, {admitted} admitted, bound per window {bound}"));
+        let worst = rows.iter().map(|r| r.admitted).max().unwrap_or(0);
+        self.figure("admitted_max_per_window", worst as f64);
+        self.figure("bound_per_window", bound as f64);
+        self.figure("windows", windows as f64);
         if !self.failed.is_empty() {
             let dir = report::target_dir().join("chaos").join("logs").join(self.name);
             match self.stack.save_logs(&dir) {
@@ -303,6 +316,14 @@ impl Run {
         let seconds = self.started.elapsed().as_secs_f64();
         self.db.close().await;
         self.stack.shutdown().await;
-        Ok(ScenarioReport { scenario: self.name.to_string(), verdict, windows: rows, notes, seconds })
+        let figures = std::mem::take(&mut self.figures);
+        Ok(ScenarioReport {
+            scenario: self.name.to_string(),
+            verdict,
+            windows: rows,
+            notes,
+            seconds,
+            figures,
+        })
     }
 }

@@ -18,11 +18,15 @@ pub mod catalog;
 mod concurrency;
 mod faults;
 mod harness;
+mod namespace;
 mod netns;
 mod outcomes;
 mod postgres;
+mod principals;
 mod redis;
+mod retries;
 mod rollout;
+mod telemetry;
 
 use crate::bins;
 use crate::report::{self, ScenarioReport, Verdict};
@@ -56,7 +60,8 @@ pub struct ChaosArgs {
     pub no_publish: bool,
 }
 
-async fn run_one(name: &str, p: &Profile, bins: &bins::Bins) -> Result<ScenarioReport, String> {
+/// Runs the scenario `name` (one of [`SCENARIOS`]) once.
+pub async fn run_one(name: &str, p: &Profile, bins: &bins::Bins) -> Result<ScenarioReport, String> {
     let b = bins.clone();
     match name {
         "partition-bounded" => faults::partition(p, b, false).await,
@@ -80,6 +85,11 @@ async fn run_one(name: &str, p: &Profile, bins: &bins::Bins) -> Result<ScenarioR
         "paused-agent" => faults::paused_agent(p, b).await,
         "export-concurrency" => concurrency::export_concurrency(p, b).await,
         "policy-rollout" => rollout::policy_rollout(p, b).await,
+        "retry-wave" => retries::retry_wave(p, b).await,
+        "bogus-principals" => principals::bogus_principals(p, b).await,
+        "key-namespace-shadow" => namespace::key_namespace_shadow(p, b).await,
+        "corrupted-telemetry" => telemetry::corrupted_telemetry(p, b).await,
+        "retried-debit" => retries::retried_debit(p, b).await,
         "netns-partition" => faults::netns_partition(p, b).await,
         other => Err(format!("unknown scenario {other:?}; `quota-lab chaos --list` names them")),
     }
@@ -119,6 +129,7 @@ pub async fn run(args: ChaosArgs) -> Result<bool, String> {
                 windows: Vec::new(),
                 notes: vec![format!("the scenario could not run: {e}")],
                 seconds: 0.0,
+                figures: Default::default(),
             },
         };
         println!("{}", report::text_table(&rep));

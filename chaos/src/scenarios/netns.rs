@@ -101,6 +101,7 @@ pub async fn partition(p: &Profile, bins: Bins) -> Result<ScenarioReport, String
             windows: Vec::new(),
             notes: vec![format!("skipped: {why}")],
             seconds: 0.0,
+            figures: Default::default(),
         });
     }
     let net = Net::create()?;

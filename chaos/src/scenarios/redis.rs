@@ -70,6 +70,7 @@ pub async fn redis_rollback(p: &Profile, bins: Bins) -> Result<ScenarioReport, S
     let at = chrono::Utc::now().timestamp();
     run.stack.region_mut("eu").redis.restart_from_snapshot();
     run.note(format!("eu's Redis SIGKILLed and restarted from a snapshot taken {} s earlier", at - saved));
+    run.figure("snapshot_age_s", (at - saved) as f64);
     // The ledger may count fewer admits than the clients around the
     // rollback: counters the snapshot held are dropped (they may have been
     // reported since), and what Redis held unsent at the crash is lost, each
@@ -92,6 +93,10 @@ async fn eu_recovers(run: &mut Run, allowed: i64, what: &str, windows: f64) {
     let after = region_total(&run.tally(), "eu").since(&before);
     run.check(after.admitted() > 0, format!("eu admitted {} after the {what}", after.admitted()));
     let detected = agents_metric(run, "eu", "agent_redis_rollbacks_total").await;
+    // Which limits noticed (F33): each quota state an agent found rolled
+    // back and stranded counts once.
+    run.figure("rollbacks_detected", detected);
+    run.figure("admitted_after_fault", after.admitted() as f64);
     run.check(
         detected > 0.0,
         format!("eu's agents detected the rollback ({detected} quota states stranded)"),
@@ -153,6 +158,7 @@ pub async fn redis_failover(p: &Profile, bins: Bins) -> Result<ScenarioReport, S
     run.note(format!(
         "eu's Redis primary SIGKILLed 0.5 s later; the replica missed {missed} bytes of writes"
     ));
+    run.figure("replica_missed_bytes", missed as f64);
     // Wait for the first admit in eu after the kill (or the bound; the
     // check below judges what was seen).
     let run_ref = &run;
@@ -176,6 +182,7 @@ pub async fn redis_failover(p: &Profile, bins: Bins) -> Result<ScenarioReport, S
     match first {
         Some(f) => {
             let after = Duration::from_millis((f.done_ms - killed_ms).max(0) as u64);
+            run.figure("first_admit_after_kill_s", after.as_secs_f64());
             run.check(
                 after <= FAILOVER_BOUND,
                 format!(

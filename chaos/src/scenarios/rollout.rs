@@ -89,6 +89,10 @@ pub async fn policy_rollout(p: &Profile, bins: Bins) -> Result<ScenarioReport, S
         eu_refused > 0,
         format!("the canary refused {eu_refused} (admitted {eu_ok}) under the bad version"),
     );
+    run.figure("halt_s", halt_s);
+    run.figure("soak_s", soak as f64);
+    run.figure("refusals_outside_canary", us_refused as f64);
+    run.figure("canary_refusals", eu_refused as f64);
     let halted_to = ended["halted_to_version"].as_i64().unwrap_or(0);
     run.check(
         halted_to > candidate,
@@ -103,6 +107,7 @@ pub async fn policy_rollout(p: &Profile, bins: Bins) -> Result<ScenarioReport, S
     let last_refused =
         run.answers("eu", halted_ms).iter().filter(|a| a.status == 429).map(|a| a.sent_ms).max();
     let back_s = last_refused.map_or(0.0, |t| (t - halted_ms) as f64 / 1000.0);
+    run.figure("canary_last_refusal_after_halt_s", back_s);
     run.check(
         back_s <= 2.0,
         format!("the canary's last refusal {back_s:.2} s after the halt was seen (refusals within about 1 s expected)"),
@@ -116,8 +121,10 @@ pub async fn policy_rollout(p: &Profile, bins: Bins) -> Result<ScenarioReport, S
     let r = run.stack.admin.put(&format!("/v1/policies/{TENANT}/{RESOURCE}"), &fixed).await;
     let forward = r.body["rollout"]["version"].as_i64().unwrap_or(0);
     let ended = until_ended(&run, Duration::from_secs(soak)).await;
+    let rolled_forward = ended["state"] == "promoted" && forward > halted_to;
+    run.figure("rolled_forward", if rolled_forward { 1.0 } else { 0.0 });
     run.check(
-        ended["state"] == "promoted" && forward > halted_to,
+        rolled_forward,
         format!("rolled forward: version {forward} {} ({})", ended["state"], ended["reason"]),
     );
     run.pass(1.0).await;
