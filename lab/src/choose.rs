@@ -67,7 +67,7 @@ fn gameday_measures(args: &[String]) -> bool {
             only.push(v.to_string());
         }
     }
-    only.is_empty() || only.iter().any(|v| v == "2")
+    only.is_empty() || only.iter().any(|v| v.parse::<u8>() == Ok(2))
 }
 
 /// Whether cargo sets the variable `name` for the package it builds or
@@ -135,6 +135,7 @@ mod tests {
             ("gameday --quick", Profile::Release),
             ("gameday --only 2", Profile::Release),
             ("gameday --only 3 --only=2", Profile::Release),
+            ("gameday --only 02", Profile::Release),
             ("gameday --quick --only 3 --only 7", Profile::Dev),
             ("gameday --list", Profile::Dev),
             ("chaos --only 2", Profile::Dev),

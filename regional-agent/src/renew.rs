@@ -484,12 +484,6 @@ async fn credit(
     // by the grant's whole duration: seen as a 200 charged to a window that
     // had ended when the request was sent, on an overloaded machine.)
     app.alloc_clock.observe(alloc_at, sent);
-    let nb_ms = if sel == WindowSel::Next {
-        let opens_in = (g.window_start - alloc_at).num_milliseconds() + 2;
-        (opens_in - arrived.elapsed().as_millis() as i64).max(0)
-    } else {
-        0
-    };
     if matches!(q.token().as_str(), "" | "?") {
         // The first grant of a quota learning its policy: the quota exists,
         // so its Redis state may now be set up (the view adopts or installs
@@ -500,13 +494,20 @@ async fn credit(
             return "store_unavailable";
         }
     }
-    // The lease's life and the allocator's "now" are read after the view
+    // The lease's life, the allocator's "now" and the wait until a next
+    // window's lease may be spent are read after the view
     // above (an extra round trip on a quota's first grant), just before the
     // credit: credit.lua starts the lease's relative timer when it runs, so
     // read earlier they would let the lease outlive its window, and the
     // fallback clock lag, by that round trip.
     let life_ms = g.expires_in_ms - sent.elapsed().as_millis() as i64 - SAFETY_MS;
     let alloc_now_ms = alloc_at.timestamp_millis() + sent.elapsed().as_millis() as i64;
+    let nb_ms = if sel == WindowSel::Next {
+        let opens_in = (g.window_start - alloc_at).num_milliseconds() + 2;
+        (opens_in - arrived.elapsed().as_millis() as i64).max(0)
+    } else {
+        0
+    };
     let lease = Lease {
         id: g.lease_id.to_string(),
         epoch: g.epoch,

@@ -181,8 +181,14 @@ impl Run {
 
     /// A named figure the scenario measured (seconds, counts, ratios): in
     /// its report's `figures`, which `cargo lab gameday` judges.
+    /// A value that is not finite (a ratio over 0) is left out, with a
+    /// note: JSON has no NaN, and the report must read back.
     pub fn figure(&mut self, name: &str, value: f64) {
-        self.figures.insert(name.to_string(), value);
+        if value.is_finite() {
+            self.figures.insert(name.to_string(), value);
+        } else {
+            self.notes.push(format!("{name}: not measurable ({value})"));
+        }
     }
 
     /// A note on what the scenario did.
@@ -302,6 +308,10 @@ impl Run {
         let worst = rows.iter().map(|r| r.admitted).max().unwrap_or(0);
         self.figure("admitted_max_per_window", worst as f64);
         self.figure("bound_per_window", bound as f64);
+        // Each window against its own bound (the policy's plus a
+        // documented loss's extra): the most any went over (≤ 0 holds).
+        let over = rows.iter().map(|r| r.admitted as i64 - bound_of(r)).max().unwrap_or(0);
+        self.figure("admitted_over_bound_max", over as f64);
         self.figure("windows", windows as f64);
         if !self.failed.is_empty() {
             let dir = report::target_dir().join("chaos").join("logs").join(self.name);

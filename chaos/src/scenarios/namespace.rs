@@ -465,6 +465,8 @@ pub async fn key_namespace_shadow(p: &Profile, bins: Bins) -> Result<ScenarioRep
     let most = per.iter().copied().max().unwrap_or(0);
     let ratio = most as f64 / one;
     run.figure("per_key_admits_max_ratio_mixed", ratio);
+    // F34's bound, two buckets, with the latency slack the check allows.
+    run.figure("per_key_admits_max_ratio_bound", (2.0 * one + slack) / one);
     run.check(
         most as f64 > one + slack && most as f64 <= 2.0 * one + slack,
         format!(

@@ -754,8 +754,10 @@ pub async fn corrupted_telemetry(p: &Profile, bins: Bins) -> Result<ScenarioRepo
     let before = phase(&rep.windows, baseline_from, corrupt_from);
     let during = phase(&rep.windows, corrupt_from, corrupt_to);
     let ledger: i64 = rep.windows.iter().map(|r| r.ledger_admitted - r.admitted as i64).sum();
+    let unanswered: u64 = rep.windows.iter().map(|r| r.ambiguous).sum();
     for (k, v) in [
         ("ledger_minus_clients", ledger as f64),
+        ("unanswered", unanswered as f64),
         ("admitted_per_window_before", mean(&before.admitted)),
         ("admitted_per_window_during", mean(&during.admitted)),
         ("refused_429_per_window_before", mean(&before.denied)),
