@@ -57,6 +57,8 @@ const SCRAPE_PAUSE: Duration = Duration::from_millis(10);
 struct Answered {
     status: u16,
     body: Value,
+    /// Sent again after its connection failed before any answer: why.
+    resent: Option<String>,
 }
 
 impl Answered {
@@ -77,7 +79,11 @@ impl Answered {
     }
 }
 
-/// Sends one call; status 0 when no answer came.
+/// Sends one call; status 0 when no answer came. A call whose kept-alive
+/// connection failed before any answer (the server may close an idle
+/// pooled connection just as it is reused: HTTP/1.1's keep-alive race) is
+/// sent once more on a fresh one, as any client of an idempotent PUT
+/// would, and says so (`resent`); a timeout is not resent.
 async fn call(
     http: &reqwest::Client,
     method: Method,
@@ -86,22 +92,28 @@ async fn call(
     content_type: Option<&str>,
     body: Vec<u8>,
 ) -> Answered {
-    let mut rb = http.request(method, url).body(body);
-    if let Some(t) = token {
-        rb = rb.bearer_auth(t);
-    }
-    if let Some(ct) = content_type {
-        rb = rb.header("content-type", ct);
-    }
-    match rb.send().await {
-        Ok(r) => {
-            let status = r.status().as_u16();
-            let bytes = r.bytes().await.unwrap_or_default();
-            let body = serde_json::from_slice(&bytes)
-                .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into()));
-            Answered { status, body }
+    let mut resent = None;
+    loop {
+        let mut rb = http.request(method.clone(), url).body(body.clone());
+        if let Some(t) = token {
+            rb = rb.bearer_auth(t);
         }
-        Err(e) => Answered { status: 0, body: Value::String(e.to_string()) },
+        if let Some(ct) = content_type {
+            rb = rb.header("content-type", ct);
+        }
+        match rb.send().await {
+            Ok(r) => {
+                let status = r.status().as_u16();
+                let bytes = r.bytes().await.unwrap_or_default();
+                let body = serde_json::from_slice(&bytes)
+                    .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into()));
+                return Answered { status, body, resent };
+            }
+            Err(e) if resent.is_none() && e.is_request() && !e.is_timeout() => {
+                resent = Some(format!("{e:?}"))
+            }
+            Err(e) => return Answered { status: 0, body: Value::String(e.to_string()), resent },
+        }
     }
 }
 
@@ -317,6 +329,10 @@ struct Outcome {
     refused_4xx: u64,
     stored: u64,
     server_errors: u64,
+    /// Calls sent again after their connection failed before any answer,
+    /// and the first such failure.
+    resent: u64,
+    first_resend: Option<String>,
     /// Calls that got something other than expected (first answer each).
     unexpected: BTreeMap<&'static str, String>,
     /// Refusals whose body did not name the problem.
@@ -328,6 +344,10 @@ struct Outcome {
 impl Outcome {
     fn record(&mut self, c: &Case, a: &Answered, first_round: bool) {
         self.sent += 1;
+        if let Some(why) = &a.resent {
+            self.resent += 1;
+            self.first_resend.get_or_insert_with(|| format!("{}: {why}", c.what));
+        }
         match a.status {
             400..=499 => self.refused_4xx += 1,
             204 => self.stored += 1,
@@ -650,6 +670,13 @@ pub async fn corrupted_telemetry(p: &Profile, bins: Bins) -> Result<ScenarioRepo
     run.figure("corrupt_status_refused_4xx", out.refused_4xx as f64);
     run.figure("corrupt_status_stored", out.stored as f64);
     run.figure("status_5xx", out.server_errors as f64);
+    run.figure("status_resent_after_connection_error", out.resent as f64);
+    if let Some(first) = &out.first_resend {
+        run.note(format!(
+            "{} status calls sent again after their connection failed; the first: {first}",
+            out.resent
+        ));
+    }
     run.figure("metrics_scrapes_aborted", aborted as f64);
     run.figure("metrics_scrapes_completed", whole as f64);
     run.note(format!(
