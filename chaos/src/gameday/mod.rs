@@ -14,7 +14,7 @@
 pub mod drills;
 pub mod report;
 
-use crate::bench::{Plan, Results};
+use crate::bench::Plan;
 use crate::bins::{self, Bins};
 use crate::report::{ScenarioReport, Verdict};
 use crate::scenarios::{Profile, PATRONI_SCENARIOS};
@@ -52,11 +52,18 @@ pub struct GamedayArgs {
 #[derive(Debug, Clone)]
 pub struct Outcome {
     pub drill: &'static Drill,
-    pub pass: bool,
     pub figures: BTreeMap<String, f64>,
-    /// Failed checks and criteria, then the run's notes.
+    /// Why it failed (the run itself, then each criterion); empty: passed.
+    pub failed: Vec<String>,
+    /// The run's notes.
     pub notes: Vec<String>,
     pub seconds: f64,
+}
+
+impl Outcome {
+    pub fn pass(&self) -> bool {
+        self.failed.is_empty()
+    }
 }
 
 /// The drills `--only` selects, in order.
@@ -69,41 +76,38 @@ pub fn needs_release(only: &[u8]) -> bool {
     selected(only).iter().any(|d| d.source == Source::Flood)
 }
 
-/// The verdict of a scenario drill: the scenario passed and every
-/// criterion holds on its figures.
-fn judge_scenario(drill: &'static Drill, rep: ScenarioReport) -> Outcome {
-    let mut notes = Vec::new();
-    if rep.verdict != Verdict::Pass {
-        notes.push(format!("the scenario {} did not pass ({:?})", rep.scenario, rep.verdict));
-    }
-    let failed = drills::failed_criteria(drill.criteria, &rep.figures);
-    notes.extend(failed.iter().map(|f| format!("FAILED criterion: {f}")));
-    notes.extend(rep.notes);
-    Outcome {
-        drill,
-        pass: rep.verdict == Verdict::Pass && failed.is_empty(),
-        figures: rep.figures,
-        notes,
-        seconds: rep.seconds,
-    }
+/// A drill's verdict: what its run already found wrong (`failed`), then
+/// every criterion that does not hold on its figures.
+fn judge(
+    drill: &'static Drill,
+    mut failed: Vec<String>,
+    figures: BTreeMap<String, f64>,
+    notes: Vec<String>,
+    seconds: f64,
+) -> Outcome {
+    failed.extend(
+        drills::failed_criteria(drill.criteria, &figures).iter().map(|f| format!("FAILED criterion: {f}")),
+    );
+    Outcome { drill, figures, failed, notes, seconds }
 }
 
-/// The verdict of the flood drill: every criterion holds on its figures.
-fn judge_flood(drill: &'static Drill, r: Results, seconds: f64) -> Outcome {
-    let figures: BTreeMap<String, f64> = r.values;
-    let failed = drills::failed_criteria(drill.criteria, &figures);
-    let mut notes: Vec<String> = failed.iter().map(|f| format!("FAILED criterion: {f}")).collect();
-    notes.extend(r.notes);
-    Outcome { drill, pass: failed.is_empty(), figures, notes, seconds }
+/// A scenario drill: the scenario must pass and every criterion hold.
+fn judge_scenario(drill: &'static Drill, rep: ScenarioReport) -> Outcome {
+    let failed = if rep.verdict == Verdict::Pass {
+        Vec::new()
+    } else {
+        vec![format!("the scenario {} did not pass ({:?})", rep.scenario, rep.verdict)]
+    };
+    judge(drill, failed, rep.figures, rep.notes, rep.seconds)
 }
 
 async fn run_drill(drill: &'static Drill, quick: bool, bins: &Bins) -> Outcome {
     let started = Instant::now();
     let failed = |e: String| Outcome {
         drill,
-        pass: false,
         figures: BTreeMap::new(),
-        notes: vec![format!("the drill could not run: {e}")],
+        failed: vec![format!("the drill could not run: {e}")],
+        notes: Vec::new(),
         seconds: started.elapsed().as_secs_f64(),
     };
     match drill.source {
@@ -117,7 +121,7 @@ async fn run_drill(drill: &'static Drill, quick: bool, bins: &Bins) -> Outcome {
         Source::Flood => {
             let plan = Plan::named(if quick { "quick" } else { "full" });
             match crate::bench::flood::drill(bins.clone(), &plan, &|m| eprintln!("gameday:   {m}")).await {
-                Ok(r) => judge_flood(drill, r, started.elapsed().as_secs_f64()),
+                Ok(r) => judge(drill, Vec::new(), r.values, r.notes, started.elapsed().as_secs_f64()),
                 Err(e) => failed(e),
             }
         }
@@ -163,13 +167,9 @@ pub async fn run(args: GamedayArgs) -> Result<bool, String> {
         eprintln!(
             "gameday: drill {} {} in {:.0} s{}",
             d.n,
-            if o.pass { "passed" } else { "FAILED" },
+            if o.pass() { "passed" } else { "FAILED" },
             o.seconds,
-            o.notes
-                .iter()
-                .filter(|n| n.starts_with("FAILED") || n.starts_with("the "))
-                .map(|n| format!("; {n}"))
-                .collect::<String>()
+            o.failed.iter().map(|n| format!("; {n}")).collect::<String>()
         );
         outcomes.push(o);
     }
@@ -198,7 +198,7 @@ pub async fn run(args: GamedayArgs) -> Result<bool, String> {
     } else {
         crate::figures::publish_gameday(&out.join("report.json"), &json);
     }
-    let failed = outcomes.iter().filter(|o| !o.pass).count();
+    let failed = outcomes.iter().filter(|o| !o.pass()).count();
     println!(
         "gameday: {} drill(s), {} passed, {failed} failed in {:.0} s; report: {}",
         outcomes.len(),

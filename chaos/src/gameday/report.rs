@@ -49,7 +49,7 @@ fn source(o: &Outcome) -> String {
 }
 
 fn verdict(o: &Outcome) -> &'static str {
-    if o.pass {
+    if o.pass() {
         "pass"
     } else {
         "fail"
@@ -76,7 +76,7 @@ pub fn json(outcomes: &[Outcome], quick: bool) -> Value {
                     "new": o.drill.new,
                     "mode": if quick { "quick" } else { "full" },
                     "seconds": (o.seconds * 10.0).round() / 10.0,
-                    "notes": o.notes,
+                    "notes": o.failed.iter().chain(&o.notes).collect::<Vec<_>>(),
                 })
             })
             .collect(),
@@ -117,7 +117,8 @@ fn read_back(report: &Value) -> Vec<Outcome> {
                 .unwrap_or_default();
             Some(Outcome {
                 drill,
-                pass: o["verdict"] == "pass",
+                // The block shows verdicts only: a failed one needs no reason here.
+                failed: if o["verdict"] == "pass" { Vec::new() } else { vec!["fail".to_string()] },
                 figures,
                 notes: Vec::new(),
                 seconds: o["seconds"].as_f64().unwrap_or(0.0),
@@ -129,7 +130,7 @@ fn read_back(report: &Value) -> Vec<Outcome> {
 /// The README's game day block, from a published `report.json`.
 pub fn block(report: &Value) -> String {
     let outcomes = read_back(report);
-    let passed = outcomes.iter().filter(|o| o.pass).count();
+    let passed = outcomes.iter().filter(|o| o.pass()).count();
     let seconds: f64 = outcomes.iter().map(|o| o.seconds).sum();
     let mode = report.get(0).and_then(|o| o["mode"].as_str()).unwrap_or("quick");
     let command = if mode == "full" { "cargo lab gameday" } else { "cargo lab gameday --quick" };
@@ -144,7 +145,7 @@ pub fn block(report: &Value) -> String {
 
 /// `report.md`.
 pub fn markdown(outcomes: &[Outcome], command: &str, seconds: f64) -> String {
-    let passed = outcomes.iter().filter(|o| o.pass).count();
+    let passed = outcomes.iter().filter(|o| o.pass()).count();
     let mut md = format!(
         "# Game day\n\n`{command}`: {} drill(s), {passed} passed, {} failed, in {:.0} s.\n\n",
         outcomes.len(),
@@ -173,7 +174,7 @@ pub fn markdown(outcomes: &[Outcome], command: &str, seconds: f64) -> String {
             let f: Vec<String> = o.figures.iter().map(|(k, v)| format!("`{k}` {}", num(*v))).collect();
             md.push_str(&format!("Figures: {}.\n\n", f.join(", ")));
         }
-        for n in &o.notes {
+        for n in o.failed.iter().chain(&o.notes) {
             md.push_str(&format!("- {n}\n"));
         }
     }
@@ -189,9 +190,9 @@ mod tests {
     fn outcome(n: usize, pass: bool, figures: &[(&str, f64)]) -> Outcome {
         Outcome {
             drill: &DRILLS[n - 1],
-            pass,
             figures: figures.iter().map(|(k, v)| (k.to_string(), *v)).collect::<BTreeMap<_, _>>(),
-            notes: vec!["FAILED criterion: x".into()],
+            failed: if pass { Vec::new() } else { vec!["FAILED criterion: x".into()] },
+            notes: vec!["a note".into()],
             seconds: 12.34,
         }
     }

@@ -148,18 +148,6 @@ async fn pttls(conn: &mut redis::aio::MultiplexedConnection, keys: &[String]) ->
     Ok(out)
 }
 
-/// The resident set of process `pid`, MiB.
-fn rss_mib(pid: Option<u32>) -> Result<f64, String> {
-    let pid = pid.ok_or("the agent is not running")?;
-    let status =
-        std::fs::read_to_string(format!("/proc/{pid}/status")).map_err(|e| format!("/proc/{pid}: {e}"))?;
-    let kb: f64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:")?.trim().strip_suffix("kB")?.trim().parse().ok())
-        .ok_or_else(|| format!("/proc/{pid}/status has no VmRSS"))?;
-    Ok(kb / 1024.0)
-}
-
 pub async fn bogus_principals(p: &Profile, bins: Bins) -> Result<ScenarioReport, String> {
     // One agent per region: the flood's agent is the only one whose RSS and
     // script runs are read, and fewer processes leave the two cores to it.
@@ -174,7 +162,7 @@ pub async fn bogus_principals(p: &Profile, bins: Bins) -> Result<ScenarioReport,
 
     let region = run.stack.region("eu");
     let base = region.agents[0].base.clone();
-    let pid = region.agents[0].pid();
+    let pid = region.agents[0].pid().ok_or("the agent is not running")?;
     let redis_url = region.redis.url.clone();
     let quota_prefix = Keys::new(&region.redis.prefix).quota(TENANT, ANON);
     let http = quota_tests::http::client_builder()
@@ -212,19 +200,19 @@ pub async fn bogus_principals(p: &Profile, bins: Bins) -> Result<ScenarioReport,
     let mem0 = info(&mut redis, "memory", "used_memory").await?;
     let evicted0 = info(&mut redis, "stats", "evicted_keys").await?;
     let runs0 = crate::bench::flood::spend_runs(&http, &base).await?;
-    let rss0 = rss_mib(pid)?;
+    let rss0 = crate::bench::machine::rss_mb(pid)?;
 
     let since = chrono::Utc::now().timestamp_millis();
     let started = Instant::now();
     let mut seen = Flooded::default();
     let (first, second) = keys.split_at(principals / 2);
     flood(&http, &base, first, &mut seen).await?;
-    let rss_half = rss_mib(pid)?;
+    let rss_half = crate::bench::machine::rss_mb(pid)?;
     flood(&http, &base, second, &mut seen).await?;
     let secs = started.elapsed().as_secs_f64();
     let flood_end = Instant::now();
     let until = chrono::Utc::now().timestamp_millis();
-    let rss1 = rss_mib(pid)?;
+    let rss1 = crate::bench::machine::rss_mb(pid)?;
     let runs = crate::bench::flood::spend_runs(&http, &base).await? - runs0;
     let mem1 = info(&mut redis, "memory", "used_memory").await?;
     let evicted = info(&mut redis, "stats", "evicted_keys").await? - evicted0;
