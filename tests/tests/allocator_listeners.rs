@@ -116,11 +116,23 @@ async fn over_tls_a_silent_client_is_closed_at_the_header_read_timeout_not_the_h
 async fn with_every_connection_busy_a_reserved_share_still_answers_probes() {
     // 16 connections: 15 for everyone, 1 kept for probes.
     let s = stack(limits(30, 60, 16)).await;
-    let head = b"POST /v1/grants HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{";
+    // `Expect: 100-continue`: the server answers `100 Continue` once the
+    // handler reads the body, i.e. once the request is in progress. Until
+    // then a connection is still being read and may be evicted as the
+    // longest idle by the next one (by design), so each is awaited before
+    // the next connects.
+    let head = b"POST /v1/grants HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\nExpect: 100-continue\r\n\r\n";
     let mut busy = Vec::new();
     for _ in 0..15 {
         let mut c = tokio::net::TcpStream::connect(addr(&s.alloc.base)).await.expect("connect");
         c.write_all(head).await.expect("head");
+        let mut buf = [0u8; 64];
+        let n = tokio::time::timeout(Duration::from_secs(5), c.read(&mut buf))
+            .await
+            .expect("100 Continue within 5 s")
+            .expect("read");
+        assert!(buf[..n].starts_with(b"HTTP/1.1 100"), "{:?}", String::from_utf8_lossy(&buf[..n]));
+        c.write_all(b"{").await.expect("first body byte");
         busy.push(c);
     }
     // Once their headers are read, all 15 have a request in progress (each
