@@ -66,6 +66,19 @@ pub struct App {
 /// The background tasks to stop at shutdown.
 pub type Tasks = Arc<Mutex<Vec<JoinHandle<()>>>>;
 
+/// Adds `h` to the task list, first dropping the handles of tasks that
+/// have ended when the list is full. Each known quota's renewer is a task,
+/// and quotas come and go (idle ones leave, unknown names are dropped); a
+/// finished task's memory is freed only with its handle, so a list that
+/// kept them grew with every quota ever seen. Pruning only when the list
+/// is at its capacity keeps a push O(1) on average.
+pub fn keep_task(tasks: &mut Vec<JoinHandle<()>>, h: JoinHandle<()>) {
+    if tasks.len() == tasks.capacity() {
+        tasks.retain(|t| !t.is_finished());
+    }
+    tasks.push(h);
+}
+
 /// What an admission decision ([`crate::spend`]) uses of the agent's state:
 /// not the allocator client, the fleet counts, the task list or the
 /// cancellation. Its parts are the same handles as [`App`]'s.
@@ -203,7 +216,7 @@ impl App {
     /// Runs `f` as a background task the shutdown waits for (and cuts at
     /// its deadline).
     pub fn spawn(&self, f: impl Future<Output = ()> + Send + 'static) {
-        self.tasks.lock().unwrap().push(tokio::spawn(f));
+        keep_task(&mut self.tasks.lock().unwrap(), tokio::spawn(f));
     }
 
     /// Where the listener named `listener` counts its connections.
@@ -270,5 +283,32 @@ impl AllocatorClock {
             }
             None => self.clock.now_utc(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::keep_task;
+
+    /// Quotas come and go for days: the handles of renewers that ended do
+    /// not pile up in the task list, and running tasks are all kept.
+    #[tokio::test]
+    async fn the_task_list_drops_ended_tasks_and_keeps_running_ones() {
+        let mut tasks = Vec::new();
+        let stop = tokio_util::sync::CancellationToken::new();
+        for _ in 0..3 {
+            let stop = stop.clone();
+            keep_task(&mut tasks, tokio::spawn(async move { stop.cancelled().await }));
+        }
+        for _ in 0..10_000 {
+            let h = tokio::spawn(async {});
+            while !h.is_finished() {
+                tokio::task::yield_now().await;
+            }
+            keep_task(&mut tasks, h);
+        }
+        assert!(tasks.len() <= 16, "{} handles kept for 3 running tasks", tasks.len());
+        assert_eq!(tasks.iter().filter(|t| !t.is_finished()).count(), 3);
+        stop.cancel();
     }
 }

@@ -453,7 +453,7 @@ async fn start_tasks(app: &AppState) -> OutboxKeep {
     // stops it); installed before the boot reloads the agent's quotas.
     let (renewer, tasks) = (renew::Renewer::of(app), app.tasks());
     app.registry.on_create(move |q| {
-        tasks.lock().unwrap().push(tokio::spawn(renew::run(renewer.clone(), q)));
+        app::keep_task(&mut tasks.lock().unwrap(), tokio::spawn(renew::run(renewer.clone(), q)));
     });
     boot(app).await;
     // Read the eviction policy before serving, so a correctly configured
