@@ -223,7 +223,10 @@ async fn grant_one(
         // winner's lease. Two attempts always suffice: the key then exists.
         loop {
             attempts += 1;
-            match try_grant(state, req).await {
+            let place = state.grant_gate.enter(&req.tenant, &req.resource).await;
+            let r = try_grant(state, req).await;
+            drop(place);
+            match r {
                 Err(Error::KeyTaken(_)) if attempts < 2 => continue,
                 other => break other,
             }

@@ -25,6 +25,8 @@
 //!     `load` reads one snapshot in one transaction, `assemble` builds the
 //!     answer from it without I/O.
 //!   * [`grants`]: the grant transaction (I1, I2, I3, I4).
+//!   * [`quota_gate`]: at most a few grant statements of a quota in
+//!     flight from a replica (a hot quota queues here, not on its row lock).
 //!   * [`leases`]: releases and lease reads.
 //!   * [`permits`]: permit leases of concurrency quotas (a global
 //!     semaphore) and their view.
@@ -83,6 +85,7 @@ pub mod ledger;
 pub mod openapi;
 pub mod permits;
 pub mod policies;
+pub mod quota_gate;
 pub mod reload;
 pub mod reports;
 pub mod retention;

@@ -34,6 +34,8 @@ pub struct AppState {
     pub window_metrics_quotas: i64,
     /// Bearer tokens; `None` leaves that class of routes open (loopback only).
     pub auth: Tokens,
+    /// Grant statements of one quota in flight at once (see [`crate::quota_gate`]).
+    pub grant_gate: Arc<crate::quota_gate::QuotaGate>,
 }
 
 impl AppState {
@@ -51,6 +53,7 @@ impl AppState {
             metrics,
             window_metrics_quotas,
             auth,
+            grant_gate: Arc::default(),
         }
     }
 }
