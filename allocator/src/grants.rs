@@ -223,9 +223,13 @@ async fn grant_one(
         // winner's lease. Two attempts always suffice: the key then exists.
         loop {
             attempts += 1;
-            let place = state.grant_gate.enter(&req.tenant, &req.resource).await;
-            let r = try_grant(state, req).await;
-            drop(place);
+            // No place within the connection wait is the pool's own timeout:
+            // the same 503 (`database_unavailable`), retried with the same key.
+            let place = state.grant_gate.enter(&req.tenant, &req.resource, crate::DB_ACQUIRE_TIMEOUT).await;
+            let r = match place {
+                Some(_place) => try_grant(state, req).await,
+                None => Err(sqlx::Error::PoolTimedOut.into()),
+            };
             match r {
                 Err(Error::KeyTaken(_)) if attempts < 2 => continue,
                 other => break other,

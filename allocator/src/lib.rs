@@ -176,6 +176,11 @@ impl AppState {
     }
 }
 
+/// Longest a request waits for a pool connection (and a grant for its
+/// place at its quota's gate, see [`quota_gate`]) before it is answered
+/// `503 database_unavailable`, which agents retry with the same keys.
+pub const DB_ACQUIRE_TIMEOUT: Duration = Duration::from_secs(3);
+
 /// Connects to PostgreSQL with bounded timeouts and applies the migrations.
 ///
 /// Every statement gets a server-side timeout so a stuck lock cannot hold a
@@ -186,7 +191,7 @@ pub async fn connect(database_url: &str, max_connections: u32) -> Result<PgPool,
         .options([("statement_timeout", "5000"), ("lock_timeout", "4000")]);
     let pool = PgPoolOptions::new()
         .max_connections(max_connections)
-        .acquire_timeout(Duration::from_secs(3))
+        .acquire_timeout(DB_ACQUIRE_TIMEOUT)
         // After a failover error, connections opened before it may still
         // lead to the old primary: closed here rather than each failing a
         // request of its own (see crate::tx).

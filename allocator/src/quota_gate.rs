@@ -12,11 +12,14 @@
 //!
 //! Quotas are mapped onto a fixed set of gates by a hash of their name, so
 //! the gate's memory is bounded whatever the number of quotas; two quotas
-//! sharing a gate only share its places. Nothing about the rules changes:
+//! sharing a gate only share its places. A grant waits for its place as
+//! long as for a pool connection (`DB_ACQUIRE_TIMEOUT`), and is answered
+//! the same `503` when none comes. Nothing about the rules changes:
 //! the statement is the same, and a grant still waits for the row lock
 //! inside the server when several replicas send at once.
 
 use std::hash::{Hash, Hasher};
+use std::time::Duration;
 use tokio::sync::{Semaphore, SemaphorePermit};
 
 /// Statements of one quota in flight from one replica at most.
@@ -48,11 +51,13 @@ impl QuotaGate {
         (h.finish() % GATES as u64) as usize
     }
 
-    /// Waits for a place for a statement of `tenant/resource`; the place is
-    /// given back when the permit drops.
-    pub async fn enter(&self, tenant: &str, resource: &str) -> SemaphorePermit<'_> {
-        // The semaphores are never closed, so acquiring cannot fail.
-        self.gates[Self::index(tenant, resource)].acquire().await.expect("a gate is never closed")
+    /// Waits up to `wait` for a place for a statement of `tenant/resource`
+    /// (`None`: none came free in time); the place is given back when the
+    /// permit drops.
+    pub async fn enter(&self, tenant: &str, resource: &str, wait: Duration) -> Option<SemaphorePermit<'_>> {
+        let gate = &self.gates[Self::index(tenant, resource)];
+        // The semaphores are never closed, so acquiring fails only by time.
+        tokio::time::timeout(wait, gate.acquire()).await.ok()?.ok()
     }
 }
 
@@ -69,15 +74,29 @@ mod tests {
         assert!(used.len() > GATES * 9 / 10, "10,000 quotas used {} of {GATES} gates", used.len());
     }
 
+    const WAIT: Duration = Duration::from_secs(3);
+
     #[tokio::test]
     async fn at_most_the_places_of_a_quota_are_taken_at_once() {
         let gate = QuotaGate::new(2);
-        let a = gate.enter("atlas", "search").await;
-        let _b = gate.enter("atlas", "search").await;
-        let third = gate.enter("atlas", "search");
+        let a = gate.enter("atlas", "search", WAIT).await.expect("a first place");
+        let _b = gate.enter("atlas", "search", WAIT).await.expect("a second place");
+        let third = gate.enter("atlas", "search", WAIT);
         tokio::pin!(third);
         assert!(futures::poll!(third.as_mut()).is_pending(), "a third statement entered");
         drop(a);
-        assert!(futures::poll!(third.as_mut()).is_ready(), "a place given back was not taken");
+        let entered = matches!(futures::poll!(third.as_mut()), std::task::Poll::Ready(Some(_)));
+        assert!(entered, "a place given back was not taken");
+    }
+
+    #[tokio::test]
+    async fn a_statement_waits_for_a_place_no_longer_than_it_is_told() {
+        let gate = QuotaGate::new(1);
+        let _held = gate.enter("atlas", "search", WAIT).await.expect("a first place");
+        let wait = Duration::from_millis(50);
+        let started = std::time::Instant::now();
+        assert!(gate.enter("atlas", "search", wait).await.is_none(), "a second place while one is held");
+        let waited = started.elapsed();
+        assert!(waited >= wait && waited < WAIT, "waited {waited:?} for a place, told {wait:?}");
     }
 }
