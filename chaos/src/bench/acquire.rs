@@ -15,11 +15,13 @@
 //! Beside them, Envoy's rate limit service on the same agent
 //! (`--grpc-listen`): `ShouldRateLimit` with one descriptor naming the same
 //! quota, over one HTTP/2 connection with one stream per client, as Envoy
-//! calls it (`rls.c{1,16,64}.*`).
+//! calls it (`rls.c{1,16,64}.*`; the client is [`super::h2_client`], for
+//! the reason given there).
 //!
 //! Interleaving the four per repetition keeps the machine's background load
 //! (two other engineers' builds) roughly equal across what a ratio compares.
 
+use super::h2_client::{self, H2};
 use super::hist::{closed_loop, Medians, Op, Sample};
 use super::peer::Peer;
 use super::rig::Rig;
@@ -51,6 +53,8 @@ const LIMIT: i64 = 1_000_000_000;
 const WINDOW_SECS: i64 = 86_400;
 /// Every network call of a measured operation gives up after this long.
 const CALL_TIMEOUT: Duration = Duration::from_secs(5);
+/// Envoy's rate limit method, as its filter calls it.
+const SHOULD_RATE_LIMIT: &str = "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit";
 /// Concurrencies measured.
 pub const CLIENTS: [usize; 3] = [1, 16, 64];
 
@@ -183,53 +187,32 @@ fn spend_op(store: Store, a: SpendArgs) -> Op {
     })
 }
 
-/// One HTTP/2 connection to the agent's rate limit service at `addr`;
-/// each concurrent call is a stream of it, as from Envoy.
-async fn rls_channel(addr: &str) -> Result<tonic::transport::Channel, String> {
-    let url = format!("http://{addr}");
-    let deadline = std::time::Instant::now() + CALL_TIMEOUT;
-    loop {
-        let endpoint = tonic::transport::Endpoint::from_shared(url.clone()).map_err(|e| e.to_string())?;
-        match endpoint.tcp_nodelay(true).connect().await {
-            Ok(c) => return Ok(c),
-            Err(e) if std::time::Instant::now() >= deadline => return Err(format!("RLS at {url}: {e}")),
-            Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
-        }
-    }
-}
-
-type RlsClient =
-    envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient<
-        tonic::transport::Channel,
-    >;
-
 /// `grpc.health.v1.Health/Check` of the RLS service over the same
 /// connection: the gRPC floor (transport and framing, no decision), as
 /// `GET /healthz` is HTTP's.
-fn grpc_floor_op(channel: tonic::transport::Channel) -> Op {
-    use tonic_health::pb::health_client::HealthClient;
+fn grpc_floor_op(conn: H2) -> Op {
     use tonic_health::pb::HealthCheckRequest;
-    let client = HealthClient::new(channel);
-    let req = HealthCheckRequest { service: regional_agent::rls::SERVICE_NAME.into() };
+    let body = h2_client::frame(&HealthCheckRequest { service: regional_agent::rls::SERVICE_NAME.into() });
     Arc::new(move |_, _| {
-        let (mut client, req) = (client.clone(), req.clone());
+        let (conn, body) = (conn.clone(), body.clone());
         async move {
-            tokio::time::timeout(CALL_TIMEOUT, client.check(req))
+            tokio::time::timeout(CALL_TIMEOUT, conn.unary("/grpc.health.v1.Health/Check", body))
                 .await
                 .map_err(|_| "Health/Check timed out".to_string())?
-                .map_err(|e| format!("Health/Check: {e}"))
                 .map(|_| ())
         }
         .boxed()
     })
 }
 
-/// `ShouldRateLimit` for one descriptor naming the bench quota.
-fn rls_op(client: RlsClient) -> Op {
+/// `ShouldRateLimit` for one descriptor naming the bench quota; the
+/// answer is decoded and must be `OK`.
+fn rls_op(conn: H2) -> Op {
     use envoy_types::pb::envoy::extensions::common::ratelimit::v3::{
         rate_limit_descriptor::Entry, RateLimitDescriptor,
     };
-    use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
+    use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+    use prost::Message;
     let req = RateLimitRequest {
         domain: TENANT.into(),
         descriptors: vec![RateLimitDescriptor {
@@ -238,14 +221,15 @@ fn rls_op(client: RlsClient) -> Op {
         }],
         hits_addend: 1,
     };
+    let body = h2_client::frame(&req);
     Arc::new(move |_, _| {
-        let (mut client, req) = (client.clone(), req.clone());
+        let (conn, body) = (conn.clone(), body.clone());
         async move {
-            let r = tokio::time::timeout(CALL_TIMEOUT, client.should_rate_limit(req))
+            let got = tokio::time::timeout(CALL_TIMEOUT, conn.unary(SHOULD_RATE_LIMIT, body))
                 .await
-                .map_err(|_| "ShouldRateLimit timed out".to_string())?
-                .map_err(|e| format!("ShouldRateLimit: {e}"))?;
-            match r.into_inner().overall_code {
+                .map_err(|_| "ShouldRateLimit timed out".to_string())??;
+            let r = RateLimitResponse::decode(got).map_err(|e| format!("ShouldRateLimit: {e}"))?;
+            match r.overall_code {
                 1 => Ok(()),
                 code => Err(format!("ShouldRateLimit answered code {code}")),
             }
@@ -272,8 +256,7 @@ pub async fn run(rig: &Rig, plan: &Plan, out: &mut Results, progress: &dyn Fn(&s
     let grpc = format!("127.0.0.1:{}", quota_tests::free_port());
     let agent = rig.agent_as("eu", &redis.url, vec![("AGENT_GRPC_LISTEN".into(), grpc.clone())]).await;
     let agent_pid = agent.pid().ok_or("the bench agent has no process id")?;
-    let rls_channel = rls_channel(&grpc).await?;
-    let rls = RlsClient::new(rls_channel.clone());
+    let rls = h2_client::connect(&grpc, CALL_TIMEOUT).await?;
     let http = client(CALL_TIMEOUT)?;
     // Warm: the agent learns the policies and credits a first lease.
     let per_key_op = acquire_op_for(http.clone(), &agent.base, &[RESOURCE_PER_KEY], true);
@@ -317,6 +300,7 @@ pub async fn run(rig: &Rig, plan: &Plan, out: &mut Results, progress: &dyn Fn(&s
         let (mut per_key_s, mut two_s): (Vec<Sample>, Vec<Sample>) = (Vec::new(), Vec::new());
         let (mut rls_s, mut grpc_floor_s): (Vec<Sample>, Vec<Sample>) = (Vec::new(), Vec::new());
         let (mut cpu_http, mut cpu_rls): (Vec<f64>, Vec<f64>) = (Vec::new(), Vec::new());
+        let mut rls_per_run: Vec<f64> = Vec::new();
         for rep in 0..plan.reps {
             progress(&format!("acquire: {c} client(s), repetition {}/{}", rep + 1, plan.reps));
             let before = StageSums::read(&http, &agent.base).await?;
@@ -329,13 +313,16 @@ pub async fn run(rig: &Rig, plan: &Plan, out: &mut Results, progress: &dyn Fn(&s
             stages.push(stage);
             let l = closed_loop(c, plan.acquire, spend_op(store.clone(), args.clone())).await?;
             let f = closed_loop(c, plan.acquire, healthz_op(http.clone(), &agent.base)).await?;
+            let runs0 = StageSums::read(&http, &agent.base).await?.runs;
             let cpu0 = super::machine::cpu_us(agent_pid);
             let g = closed_loop(c, plan.acquire, rls_op(rls.clone())).await?;
             if let (Some(b), Some(e)) = (cpu0, super::machine::cpu_us(agent_pid)) {
                 cpu_rls.push((e - b) / g.ok.max(1) as f64);
             }
+            let runs = StageSums::read(&http, &agent.base).await?.runs - runs0;
+            rls_per_run.push(g.ok as f64 / runs.max(1.0));
             rls_s.push(g);
-            grpc_floor_s.push(closed_loop(c, plan.acquire, grpc_floor_op(rls_channel.clone())).await?);
+            grpc_floor_s.push(closed_loop(c, plan.acquire, grpc_floor_op(rls.clone())).await?);
             if c == PER_KEY_CLIENTS {
                 per_key_s.push(closed_loop(c, plan.acquire, per_key_op.clone()).await?);
                 two_s.push(closed_loop(c, plan.acquire, two_op.clone()).await?);
@@ -382,6 +369,7 @@ pub async fn run(rig: &Rig, plan: &Plan, out: &mut Results, progress: &dyn Fn(&s
         Medians::of(&rls_s).put(out, &format!("rls.c{c}"), "decisions_per_s", &format!("rls c{c}"));
         out.set(&k("agent_cpu_us_per_decision"), super::hist::median(&cpu_http));
         out.set(&format!("rls.c{c}.agent_cpu_us_per_decision"), super::hist::median(&cpu_rls));
+        out.set(&format!("rls.c{c}.decisions_per_script_run"), super::hist::median(&rls_per_run));
         let floor = Medians::of(&grpc_floor_s);
         floor.put(out, &format!("rls.c{c}.grpc_floor"), "per_s", &format!("grpc floor c{c}"));
         if !lim_s.is_empty() {

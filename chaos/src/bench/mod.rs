@@ -25,6 +25,7 @@ pub mod acquire;
 pub mod envoy;
 pub mod flood;
 pub mod grants;
+pub mod h2_client;
 pub mod hist;
 pub mod machine;
 pub mod peer;

@@ -159,7 +159,8 @@ fn rls_table(s: &mut String, r: &BenchReport) {
     let _ = writeln!(
         s,
         "\nEnvoy's rate limit service on the same agent (issue 18: `ShouldRateLimit`, one descriptor \
-         naming the same quota, one HTTP/2 connection with one stream per client, \
+         naming the same quota, one HTTP/2 connection with one stream per client, the request \
+         framed once and sent with its headers in one write as Envoy sends it, \
          `rls.c<n>.*`), beside HTTP acquire of the same run:\n"
     );
     let _ = writeln!(
