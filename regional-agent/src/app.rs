@@ -61,6 +61,10 @@ pub struct App {
     /// Stops the background tasks.
     pub cancel: CancellationToken,
     tasks: Tasks,
+    /// The runtime the app was made on, where background tasks run: a
+    /// quota first seen by an RLS call (served on a thread of its own, see
+    /// [`crate::rls`]) still gets its renewer here.
+    runtime: tokio::runtime::Handle,
 }
 
 /// The background tasks to stop at shutdown.
@@ -199,6 +203,7 @@ impl App {
             permits,
             cancel: CancellationToken::new(),
             tasks: Tasks::default(),
+            runtime: tokio::runtime::Handle::current(),
             decider,
         }))
     }
@@ -216,7 +221,12 @@ impl App {
     /// Runs `f` as a background task the shutdown waits for (and cuts at
     /// its deadline).
     pub fn spawn(&self, f: impl Future<Output = ()> + Send + 'static) {
-        keep_task(&mut self.tasks.lock().unwrap(), tokio::spawn(f));
+        keep_task(&mut self.tasks.lock().unwrap(), self.runtime.spawn(f));
+    }
+
+    /// The runtime background tasks run on (see [`App::spawn`]).
+    pub fn runtime(&self) -> &tokio::runtime::Handle {
+        &self.runtime
     }
 
     /// Where the listener named `listener` counts its connections.

@@ -117,6 +117,11 @@ pub struct Config {
     #[arg(long, env = "AGENT_GRPC_MAX_STREAMS_PER_CONNECTION", default_value_t = 1024)]
     pub grpc_max_streams_per_connection: u32,
 
+    /// Threads serving the gRPC port, each a single-threaded runtime that
+    /// owns the connections handed to it (in turn); 0 means one per CPU.
+    #[arg(long, env = "AGENT_GRPC_THREADS", default_value_t = 0)]
+    pub grpc_threads: usize,
+
     /// Adds up to one second, at random, to every `Retry-After` (and
     /// `retry_after_s`), so clients refused together come back spread over
     /// two seconds instead of in one wave (seed 002 F26; `cargo lab
@@ -255,6 +260,8 @@ pub struct Settings {
     pub grpc_limits: Limits,
     /// Concurrent streams per gRPC connection.
     pub grpc_max_streams: u32,
+    /// Threads serving the gRPC port (at least 1).
+    pub grpc_threads: usize,
     pub agent_token: Option<String>,
     pub local_fallback_per_agent: i64,
     pub renew_ahead: Duration,
@@ -337,6 +344,14 @@ fn required(v: &Option<String>, flag: &str, env: &str) -> Result<String, String>
         .ok_or_else(|| format!("{env} is not set: pass --{flag} or set {env}"))
 }
 
+/// `--grpc-threads` resolved: 0 is one per CPU the process may use.
+fn grpc_threads(asked: usize) -> usize {
+    match asked {
+        0 => std::thread::available_parallelism().map_or(1, |n| n.get()).min(MAX_GRPC_THREADS),
+        n => n,
+    }
+}
+
 /// An empty path variable counts as not set.
 fn path(p: &Option<PathBuf>) -> Option<PathBuf> {
     p.clone().filter(|p| !p.as_os_str().is_empty())
@@ -344,6 +359,8 @@ fn path(p: &Option<PathBuf>) -> Option<PathBuf> {
 
 /// Largest `--grpc-max-streams-per-connection`.
 const MAX_STREAMS: u32 = 65_536;
+/// Largest `--grpc-threads`.
+const MAX_GRPC_THREADS: usize = 64;
 /// Largest `--max-policy-age-secs` (30 days): a larger age is `0`'s
 /// "never" by another name.
 const MAX_POLICY_AGE_SECS: u64 = 30 * 86_400;
@@ -473,10 +490,17 @@ impl Config {
                 self.grpc_max_streams_per_connection
             ));
         }
+        if self.grpc_threads > MAX_GRPC_THREADS {
+            return Err(format!(
+                "--grpc-threads must be between 0 (one per CPU) and {MAX_GRPC_THREADS}, got {}",
+                self.grpc_threads
+            ));
+        }
         Ok(Settings {
             http_limits,
             grpc_limits,
             grpc_max_streams: self.grpc_max_streams_per_connection,
+            grpc_threads: grpc_threads(self.grpc_threads),
             region,
             agent,
             allocator,
@@ -625,6 +649,7 @@ mod tests {
             ("--max-connections", "2"),
             ("--grpc-max-connections", "0"),
             ("--grpc-max-streams-per-connection", "0"),
+            ("--grpc-threads", "65"),
         ] {
             let mut args = base.to_vec();
             args.extend([flag, bad]);
@@ -635,6 +660,9 @@ mod tests {
         assert_eq!(s.http_limits.max_connections, 1024);
         assert_eq!(s.grpc_limits.max_connections, 256);
         assert_eq!(s.grpc_limits.header_read_timeout, s.http_limits.header_read_timeout);
+        assert!((1..=MAX_GRPC_THREADS).contains(&s.grpc_threads), "{}", s.grpc_threads);
+        let two = config(&["--redis", "redis://a:1", "--grpc-threads", "2"]).settings().unwrap();
+        assert_eq!(two.grpc_threads, 2);
     }
 
     #[test]

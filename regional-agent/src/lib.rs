@@ -244,7 +244,8 @@
 //! * **Listener limits** (both ports): a header read timeout, an idle
 //!   timeout and a connection bound each (`--header-read-timeout-secs`,
 //!   `--idle-timeout-secs`, `--max-connections`, `--grpc-max-connections`,
-//!   `--grpc-max-streams-per-connection`), fitted at start under the
+//!   `--grpc-max-streams-per-connection`; the gRPC port is served by
+//!   `--grpc-threads` single-threaded runtimes, see [`rls::serve`]), fitted at start under the
 //!   open-file limit, which is raised to the hard limit. At the HTTP bound
 //!   the longest-idle connection is evicted, and a reserved share serves
 //!   only probes while every connection is busy, so `/healthz` and
@@ -427,11 +428,15 @@ pub async fn run(
 ) -> std::io::Result<()> {
     let outbox = start_tasks(&app).await;
     let servers = Servers::start(&app, listener, grpc);
+    let grpc_exit = servers.grpc_exit.clone();
     // The phases of a stop, each with its own deadline: requests, then the
     // background tasks, then the last outbox drain.
     let served = servers.stop_after(shutdown).await;
     stop_tasks(&app).await;
     final_drain(&outbox).await;
+    // Only now: a spend run or a Redis connection an RLS call started runs
+    // on a gRPC thread, and the drain may still have needed it.
+    grpc_exit.cancel();
     match served {
         Ok(r) => r,
         Err(e) if e.is_cancelled() => Ok(()),
@@ -451,9 +456,9 @@ struct OutboxKeep {
 async fn start_tasks(app: &AppState) -> OutboxKeep {
     // Every quota's renewer is a task of the app's list (the shutdown
     // stops it); installed before the boot reloads the agent's quotas.
-    let (renewer, tasks) = (renew::Renewer::of(app), app.tasks());
+    let (renewer, tasks, rt) = (renew::Renewer::of(app), app.tasks(), app.runtime().clone());
     app.registry.on_create(move |q| {
-        app::keep_task(&mut tasks.lock().unwrap(), tokio::spawn(renew::run(renewer.clone(), q)));
+        app::keep_task(&mut tasks.lock().unwrap(), rt.spawn(renew::run(renewer.clone(), q)));
     });
     boot(app).await;
     // Read the eviction policy before serving, so a correctly configured
@@ -499,14 +504,17 @@ struct Servers {
     http_stop: tokio::sync::oneshot::Sender<()>,
     grpc: Option<JoinHandle<()>>,
     grpc_stop: tokio_util::sync::CancellationToken,
+    /// Ends the gRPC threads once the agent has stopped (see [`rls::serve`]).
+    grpc_exit: tokio_util::sync::CancellationToken,
 }
 
 impl Servers {
     fn start(app: &AppState, listener: TcpListener, grpc: Option<TcpListener>) -> Servers {
         let grpc_stop = tokio_util::sync::CancellationToken::new();
+        let grpc_exit = tokio_util::sync::CancellationToken::new();
         let grpc = grpc.map(|l| {
             let mapping = app.settings.rls.clone();
-            tokio::spawn(rls::serve(app.clone(), mapping, l, grpc_stop.clone()))
+            tokio::spawn(rls::serve(app.clone(), mapping, l, grpc_stop.clone(), grpc_exit.clone()))
         });
         let (http_stop, stop_rx) = tokio::sync::oneshot::channel::<()>();
         let routes = router(app.clone());
@@ -520,7 +528,7 @@ impl Servers {
                 let _ = stop_rx.await;
             },
         ));
-        Servers { http, http_stop, grpc, grpc_stop }
+        Servers { http, http_stop, grpc, grpc_stop, grpc_exit }
     }
 
     /// Serves until `shutdown` (or until the HTTP server ends by itself),

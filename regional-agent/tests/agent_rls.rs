@@ -383,3 +383,72 @@ async fn grpc_and_http_decisions_share_one_pool() {
     assert_eq!(ok, 100, "gRPC and HTTP together admit exactly the pool");
     w.wait_consumed("mixed", 100).await;
 }
+
+/// The names of the agent process's threads (`/proc/<pid>/task/*/comm`).
+fn thread_names(pid: u32) -> Vec<String> {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return Vec::new() };
+    tasks
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .map(|n| n.trim().to_string())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_dealt_to_several_grpc_threads_share_one_pool_and_stop_in_time() {
+    let w = World::start().await;
+    w.policy(
+        "atlas",
+        "spread",
+        json!({"limit": 120, "window_secs": 3600, "fail_mode": "strict", "chunk_max": 15}),
+    )
+    .await;
+    let addr = format!("127.0.0.1:{}", quota_tests::free_port());
+    let mut a =
+        w.agent("eu", "eu-1", None, &[("AGENT_GRPC_LISTEN", &addr), ("AGENT_GRPC_THREADS", "3")]).await;
+    let url = format!("http://{addr}");
+    // Six connections (a channel each): dealt in turn, two per thread.
+    let mut conns = Vec::new();
+    for _ in 0..6 {
+        conns.push(client(&url).await);
+    }
+    let pid = a.pid().expect("the agent runs");
+    let grpc_threads: Vec<String> =
+        thread_names(pid).into_iter().filter(|n| n.starts_with("agent-grpc-")).collect();
+    assert_eq!(grpc_threads.len(), 3, "--grpc-threads 3 starts three threads: {grpc_threads:?}");
+    let mut tasks = Vec::new();
+    for i in 0..18 {
+        let c = conns[i % conns.len()].clone();
+        let http = a.http.clone();
+        tasks.push(tokio::spawn(async move {
+            let admitted = || {
+                let (c, http) = (c.clone(), http.clone());
+                async move {
+                    if i % 3 != 2 {
+                        let r =
+                            ask(&c, vec![d(&[("resource", "spread")], None)], 0).await.expect("an answer");
+                        r.overall_code == Code::Ok as i32
+                    } else {
+                        let r = common::acquire(&http, "atlas", "spread").await;
+                        assert!(r.status == 200 || r.status == 429, "{}", r.body);
+                        r.status == 200
+                    }
+                }
+            };
+            common::until_refused(3, admitted, |ok| *ok).await.into_iter().filter(|ok| *ok).count()
+        }));
+    }
+    let mut ok = 0;
+    for t in tasks {
+        ok += t.await.unwrap();
+    }
+    assert_eq!(ok, 120, "six connections on three threads and HTTP together admit exactly the pool");
+    w.wait_consumed("spread", 120).await;
+    // The connections stay open: the stop still ends within its bound
+    // (requests 2 s + tasks 1 s + drain 3 s), with the outbox sent.
+    let started = std::time::Instant::now();
+    let status = a.stop(libc::SIGTERM).expect("the agent exits");
+    let took = started.elapsed();
+    assert!(status.success(), "exit {status:?}\n{}", a.log());
+    assert!(took < Duration::from_secs(8), "the stop took {took:?}\n{}", a.log());
+    drop(conns);
+}
