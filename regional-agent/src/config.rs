@@ -118,7 +118,8 @@ pub struct Config {
     pub grpc_max_streams_per_connection: u32,
 
     /// Threads serving the gRPC port, each a single-threaded runtime that
-    /// owns the connections handed to it (in turn); 0 means one per CPU.
+    /// owns the connections handed to it (in turn) and a Redis connection
+    /// of its own; 0 means one per CPU, at most 4.
     #[arg(long, env = "AGENT_GRPC_THREADS", default_value_t = 0)]
     pub grpc_threads: usize,
 
@@ -344,10 +345,11 @@ fn required(v: &Option<String>, flag: &str, env: &str) -> Result<String, String>
         .ok_or_else(|| format!("{env} is not set: pass --{flag} or set {env}"))
 }
 
-/// `--grpc-threads` resolved: 0 is one per CPU the process may use.
+/// `--grpc-threads` resolved: 0 is one per CPU the process may use, at
+/// most [`DEFAULT_GRPC_THREADS_MAX`].
 fn grpc_threads(asked: usize) -> usize {
     match asked {
-        0 => std::thread::available_parallelism().map_or(1, |n| n.get()).min(MAX_GRPC_THREADS),
+        0 => std::thread::available_parallelism().map_or(1, |n| n.get()).min(DEFAULT_GRPC_THREADS_MAX),
         n => n,
     }
 }
@@ -361,6 +363,9 @@ fn path(p: &Option<PathBuf>) -> Option<PathBuf> {
 const MAX_STREAMS: u32 = 65_536;
 /// Largest `--grpc-threads`.
 const MAX_GRPC_THREADS: usize = 64;
+/// Most gRPC threads the default starts: a sidecar's Envoy has a few
+/// workers (a connection each), and each thread holds a Redis connection.
+const DEFAULT_GRPC_THREADS_MAX: usize = 4;
 /// Largest `--max-policy-age-secs` (30 days): a larger age is `0`'s
 /// "never" by another name.
 const MAX_POLICY_AGE_SECS: u64 = 30 * 86_400;
@@ -660,7 +665,7 @@ mod tests {
         assert_eq!(s.http_limits.max_connections, 1024);
         assert_eq!(s.grpc_limits.max_connections, 256);
         assert_eq!(s.grpc_limits.header_read_timeout, s.http_limits.header_read_timeout);
-        assert!((1..=MAX_GRPC_THREADS).contains(&s.grpc_threads), "{}", s.grpc_threads);
+        assert!((1..=DEFAULT_GRPC_THREADS_MAX).contains(&s.grpc_threads), "{}", s.grpc_threads);
         let two = config(&["--redis", "redis://a:1", "--grpc-threads", "2"]).settings().unwrap();
         assert_eq!(two.grpc_threads, 2);
     }

@@ -48,7 +48,7 @@ pub(crate) async fn run(
         .map(|((q, c), t)| Part { on: On { prefix: &q.prefix, token: t }, common: *c })
         .collect();
     let by = Caller { agent: &app.settings.agent, epoch: app.ident.epoch() };
-    let r = scripts::spend(&app.store, by, &parts, asks).await?;
+    let r = scripts::spend(&app.store.here(), by, &parts, asks).await?;
     Ok(match r {
         Outcome::Lost(l) => {
             let o = Outcome::Lost(l.clone());

@@ -67,6 +67,29 @@ pub struct Store {
     health: Arc<Health>,
 }
 
+thread_local! {
+    /// The calling thread's own connection, where it has one: a gRPC
+    /// thread's (see [`Store::own_thread`]).
+    static OWN: std::cell::RefCell<Option<Store>> = const { std::cell::RefCell::new(None) };
+}
+
+impl Store {
+    /// The connection to use on the calling thread: its own if it has one
+    /// (a gRPC thread's, whose spend runs then never wait for another
+    /// thread to read Redis's answer), else `self`.
+    pub fn here(&self) -> Store {
+        OWN.with(|o| o.borrow().clone()).unwrap_or_else(|| self.clone())
+    }
+
+    /// Makes `self` (a connection made on the calling thread) that
+    /// thread's own, see [`Store::here`]; its failures count in `shared`'s
+    /// health, which readiness reads.
+    pub fn own_thread(mut self, shared: &Store) {
+        self.health = shared.health.clone();
+        OWN.with(|o| *o.borrow_mut() = Some(self));
+    }
+}
+
 /// An error with its cause chain (where a TLS handshake's reason lives),
 /// each cause once.
 pub fn describe(e: &RedisError) -> String {

@@ -452,3 +452,31 @@ async fn connections_dealt_to_several_grpc_threads_share_one_pool_and_stop_in_ti
     assert!(took < Duration::from_secs(8), "the stop took {took:?}\n{}", a.log());
     drop(conns);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grpc_threads_own_redis_connection_comes_back_after_redis_restarts() {
+    let mut w = World::start().await;
+    w.policy("atlas", "again", json!({"limit": 1000, "window_secs": 3600, "fail_mode": "strict"})).await;
+    let addr = format!("127.0.0.1:{}", quota_tests::free_port());
+    // One thread: every RLS call's spend run uses that thread's connection.
+    let a = w.agent("eu", "eu-1", None, &[("AGENT_GRPC_LISTEN", &addr), ("AGENT_GRPC_THREADS", "1")]).await;
+    let c = client(&format!("http://{addr}")).await;
+    let again = || async { ask(&c, vec![d(&[("resource", "again")], None)], 0).await };
+    assert_eq!(again().await.expect("an answer").overall_code, Code::Ok as i32);
+    // Redis comes back empty on the same port: the thread's connection
+    // must reconnect (the shared one is not what its runs use), and the
+    // agent takes a new lease.
+    w.redis.restart_empty();
+    quota_tests::wait::until("RLS admits after the restart", Duration::from_secs(30), || async {
+        match again().await {
+            Ok(r) if r.overall_code == Code::Ok as i32 => Some(()),
+            Ok(r) => panic!("refused after the restart: {r:?}"),
+            // UNAVAILABLE while the agent finds its lease lost.
+            Err(s) if s.code() == tonic::Code::Unavailable => None,
+            Err(s) => panic!("after the restart: {s:?}"),
+        }
+    })
+    .await;
+    let r = common::acquire(&a.http, "atlas", "again").await;
+    assert_eq!(r.status, 200, "{}", r.body);
+}
