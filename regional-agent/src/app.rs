@@ -126,14 +126,7 @@ impl App {
     /// Connects the clients (Redis lazily for a single server). The metric
     /// families are declared by the caller (`describe_metrics` in the crate root).
     pub async fn new(settings: Settings) -> Result<AppState, String> {
-        let store = Store::connect(
-            &settings.redis,
-            settings.redis_cluster,
-            settings.sentinel.as_ref(),
-            &settings.redis_tls,
-            settings.redis_timeout,
-        )
-        .await?;
+        let store = Store::for_settings(&settings).await?;
         let alloc = AllocatorClient::new(
             &settings.allocator,
             settings.agent_token.clone(),

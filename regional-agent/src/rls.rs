@@ -623,16 +623,7 @@ pub async fn serve(
             rt.block_on(async move {
                 // A connection of the thread's own (its reads on this
                 // thread too), else the shared one.
-                let s = &app.settings;
-                match Store::connect(
-                    &s.redis,
-                    s.redis_cluster,
-                    s.sentinel.as_ref(),
-                    &s.redis_tls,
-                    s.redis_timeout,
-                )
-                .await
-                {
+                match Store::for_settings(&app.settings).await {
                     Ok(own) => own.own_thread(&app.store),
                     Err(e) => tracing::warn!(error = %e, "a gRPC thread uses the shared Redis connection"),
                 }

@@ -126,6 +126,11 @@ fn unusable(e: &RedisError) -> bool {
 }
 
 impl Store {
+    /// The agent's Redis as its settings name it (see [`Store::connect`]).
+    pub async fn for_settings(s: &crate::config::Settings) -> Result<Store, String> {
+        Store::connect(&s.redis, s.redis_cluster, s.sentinel.as_ref(), &s.redis_tls, s.redis_timeout).await
+    }
+
     /// Connects to one server (lazily: the agent starts and reports
     /// not-ready while Redis is down) or to a cluster (seed nodes), over
     /// TLS for `rediss://` addresses with the certificates of `tls`.

@@ -342,6 +342,47 @@ async fn health_is_serving_and_not_serving_while_redis_is_unusable() {
     wait_for(ServingStatus::Serving).await;
 }
 
+/// How a client of [`admitted_until_refused`] asks.
+#[derive(Clone)]
+enum Asker {
+    Rls(Client),
+    Http(quota_tests::http::Http),
+}
+
+/// Each asker asks for `resource` of tenant atlas on a task of its own
+/// until refused three times in a row; the admits of all of them.
+async fn admitted_until_refused(askers: Vec<Asker>, resource: &'static str) -> usize {
+    let mut tasks = Vec::new();
+    for who in askers {
+        tasks.push(tokio::spawn(async move {
+            let admitted = || {
+                let who = who.clone();
+                async move {
+                    match who {
+                        Asker::Rls(c) => {
+                            let r = ask(&c, vec![d(&[("resource", resource)], None)], 0)
+                                .await
+                                .expect("an answer");
+                            r.overall_code == Code::Ok as i32
+                        }
+                        Asker::Http(http) => {
+                            let r = common::acquire(&http, "atlas", resource).await;
+                            assert!(r.status == 200 || r.status == 429, "{}", r.body);
+                            r.status == 200
+                        }
+                    }
+                }
+            };
+            common::until_refused(3, admitted, |ok| *ok).await.into_iter().filter(|ok| *ok).count()
+        }));
+    }
+    let mut ok = 0;
+    for t in tasks {
+        ok += t.await.unwrap();
+    }
+    ok
+}
+
 /// gRPC and HTTP decisions spend one pool: 8 streams and 8 HTTP clients on
 /// two agents until the pool of 100 is exhausted admit exactly 100.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -355,31 +396,16 @@ async fn grpc_and_http_decisions_share_one_pool() {
     .await;
     let (a, ca, _) = rls_agent(&w, "eu-1", None).await;
     let (b, cb, _) = rls_agent(&w, "eu-2", None).await;
-    let mut tasks = Vec::new();
-    for i in 0..16 {
-        let c = if i % 2 == 0 { ca.clone() } else { cb.clone() };
-        let http = if i % 2 == 0 { a.http.clone() } else { b.http.clone() };
-        tasks.push(tokio::spawn(async move {
-            let admitted = || {
-                let (c, http) = (c.clone(), http.clone());
-                async move {
-                    if i < 8 {
-                        let r = ask(&c, vec![d(&[("resource", "mixed")], None)], 0).await.expect("an answer");
-                        r.overall_code == Code::Ok as i32
-                    } else {
-                        let r = common::acquire(&http, "atlas", "mixed").await;
-                        assert!(r.status == 200 || r.status == 429, "{}", r.body);
-                        r.status == 200
-                    }
-                }
-            };
-            common::until_refused(3, admitted, |ok| *ok).await.into_iter().filter(|ok| *ok).count()
-        }));
-    }
-    let mut ok = 0;
-    for t in tasks {
-        ok += t.await.unwrap();
-    }
+    // 8 streams then 8 HTTP clients, alternating between the agents.
+    let askers = (0..16)
+        .map(|i| match (i < 8, i % 2 == 0) {
+            (true, true) => Asker::Rls(ca.clone()),
+            (true, false) => Asker::Rls(cb.clone()),
+            (false, true) => Asker::Http(a.http.clone()),
+            (false, false) => Asker::Http(b.http.clone()),
+        })
+        .collect();
+    let ok = admitted_until_refused(askers, "mixed").await;
     assert_eq!(ok, 100, "gRPC and HTTP together admit exactly the pool");
     w.wait_consumed("mixed", 100).await;
 }
@@ -415,32 +441,18 @@ async fn connections_dealt_to_several_grpc_threads_share_one_pool_and_stop_in_ti
     let grpc_threads: Vec<String> =
         thread_names(pid).into_iter().filter(|n| n.starts_with("agent-grpc-")).collect();
     assert_eq!(grpc_threads.len(), 3, "--grpc-threads 3 starts three threads: {grpc_threads:?}");
-    let mut tasks = Vec::new();
-    for i in 0..18 {
-        let c = conns[i % conns.len()].clone();
-        let http = a.http.clone();
-        tasks.push(tokio::spawn(async move {
-            let admitted = || {
-                let (c, http) = (c.clone(), http.clone());
-                async move {
-                    if i % 3 != 2 {
-                        let r =
-                            ask(&c, vec![d(&[("resource", "spread")], None)], 0).await.expect("an answer");
-                        r.overall_code == Code::Ok as i32
-                    } else {
-                        let r = common::acquire(&http, "atlas", "spread").await;
-                        assert!(r.status == 200 || r.status == 429, "{}", r.body);
-                        r.status == 200
-                    }
-                }
-            };
-            common::until_refused(3, admitted, |ok| *ok).await.into_iter().filter(|ok| *ok).count()
-        }));
-    }
-    let mut ok = 0;
-    for t in tasks {
-        ok += t.await.unwrap();
-    }
+    // Two of every three askers a stream (over the six connections in
+    // turn), the third an HTTP client.
+    let askers = (0..18)
+        .map(|i| {
+            if i % 3 != 2 {
+                Asker::Rls(conns[i % conns.len()].clone())
+            } else {
+                Asker::Http(a.http.clone())
+            }
+        })
+        .collect();
+    let ok = admitted_until_refused(askers, "spread").await;
     assert_eq!(ok, 120, "six connections on three threads and HTTP together admit exactly the pool");
     w.wait_consumed("spread", 120).await;
     // The connections stay open: the stop still ends within its bound
