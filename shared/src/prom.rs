@@ -6,7 +6,10 @@
 //! under the family's own name, counters included).
 //!
 //! Each registry owns its recorders (no global recorder), so several
-//! services can run in one test process. Two recorders:
+//! services can run in one test process. A series recorded one by one is
+//! looked up once in its recorder; its handle is kept ([`Series`]), so that
+//! recording it again (each decision records a few) allocates nothing and
+//! hashes its name and labels once. Two recorders:
 //!
 //! * `kept`: counters, histograms and gauges set one by one; a series lives
 //!   as long as the process;
@@ -15,10 +18,12 @@
 //!   render (the exporter's idle timeout on gauges), so a quota that leaves
 //!   a top-N list leaves its series instead of keeping stale values.
 
-use metrics::{Key, Label, Level, Metadata, Recorder, SharedString};
+use metrics::{Counter, Gauge, Histogram, Key, Label, Level, Metadata, Recorder, SharedString};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle, PrometheusRecorder};
 use metrics_util::MetricKindMask;
-use std::collections::{HashMap, HashSet};
+use std::collections::hash_map::RandomState;
+use std::collections::HashMap;
+use std::hash::{BuildHasher, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
@@ -44,7 +49,105 @@ pub const FAMILY_IDLE: Duration = Duration::from_secs(5);
 
 static METADATA: Metadata<'static> = Metadata::new(module_path!(), Level::INFO, Some(module_path!()));
 
-type Labels = Vec<(&'static str, String)>;
+/// Which kind of series a handle records.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Counter,
+    Gauge,
+    Histogram,
+}
+
+/// A kept series' handle in the `kept` recorder.
+#[derive(Clone)]
+enum Handle {
+    Counter(Counter),
+    Gauge(Gauge),
+    Histogram(Histogram),
+}
+
+/// One series recorded one by one: its name and labels as asked (before a
+/// fold into `other`) and the handle they resolved to. The labels are kept
+/// as one run of bytes ([`encode`]), one allocation per series: one series
+/// is kept per quota in the per-quota families.
+struct Series {
+    kind: Kind,
+    name: &'static str,
+    labels: Box<[u8]>,
+    handle: Handle,
+}
+
+/// `labels` as each key and value preceded by its length, so that no two
+/// label lists encode alike whatever bytes their values hold.
+fn encode(labels: &[(&'static str, &str)]) -> Box<[u8]> {
+    let mut out = Vec::with_capacity(labels.iter().map(|(k, v)| 8 + k.len() + v.len()).sum());
+    for part in labels.iter().flat_map(|(k, v)| [*k, *v]) {
+        out.extend_from_slice(&(part.len() as u32).to_le_bytes());
+        out.extend_from_slice(part.as_bytes());
+    }
+    out.into_boxed_slice()
+}
+
+impl Series {
+    /// Whether this is the series of `kind`, `name` and `labels` (compared
+    /// with the kept bytes as [`encode`] wrote them, without allocating).
+    fn is(&self, kind: Kind, name: &str, labels: &[(&'static str, &str)]) -> bool {
+        if self.kind != kind || self.name != name {
+            return false;
+        }
+        let mut rest: &[u8] = &self.labels;
+        for part in labels.iter().flat_map(|(k, v)| [*k, *v]) {
+            let Some((len, r)) = rest.split_first_chunk::<4>() else { return false };
+            let len = u32::from_le_bytes(*len) as usize;
+            if r.len() < len || r[..len] != *part.as_bytes() {
+                return false;
+            }
+            rest = &r[len..];
+        }
+        rest.is_empty()
+    }
+}
+
+/// The kept series by the hash of their kind, name and labels (a second
+/// series of the same hash, never seen in practice, goes to `collided`),
+/// and how many distinct label sets each family holds.
+#[derive(Default)]
+struct Known {
+    by_hash: HashMap<u64, Series>,
+    collided: Vec<Series>,
+    per_family: HashMap<&'static str, usize>,
+}
+
+impl Known {
+    fn find(&self, hash: u64, kind: Kind, name: &str, labels: &[(&'static str, &str)]) -> Option<Handle> {
+        let first = self.by_hash.get(&hash).into_iter();
+        let mut all = first.chain(self.collided.iter());
+        all.find(|s| s.is(kind, name, labels)).map(|s| s.handle.clone())
+    }
+
+    fn add(
+        &mut self,
+        hash: u64,
+        kind: Kind,
+        name: &'static str,
+        labels: &[(&'static str, &str)],
+        recorder: &PrometheusRecorder,
+        register: &impl Fn(&PrometheusRecorder, &Key) -> Handle,
+    ) -> Handle {
+        let key = Key::from_parts(
+            name,
+            labels.iter().map(|(k, v)| Label::new(*k, v.to_string())).collect::<Vec<_>>(),
+        );
+        let handle = register(recorder, &key);
+        let series = Series { kind, name, labels: encode(labels), handle: handle.clone() };
+        match self.by_hash.entry(hash) {
+            std::collections::hash_map::Entry::Vacant(e) => {
+                e.insert(series);
+            }
+            std::collections::hash_map::Entry::Occupied(_) => self.collided.push(series),
+        }
+        handle
+    }
+}
 
 /// A registry of metric families (see the module doc).
 pub struct Registry {
@@ -52,9 +155,11 @@ pub struct Registry {
     kept_handle: PrometheusHandle,
     scraped: PrometheusRecorder,
     scraped_handle: PrometheusHandle,
-    /// Label sets seen per family, for [`MAX_SERIES_PER_FAMILY`]. A std
-    /// `Mutex` is enough: a few set operations, never held across an await.
-    seen: Mutex<HashMap<&'static str, HashSet<Labels>>>,
+    /// The series recorded so far, for their handles and for
+    /// [`MAX_SERIES_PER_FAMILY`]. A std `Mutex` is enough: one lookup,
+    /// never held across an await nor while a value is recorded.
+    known: Mutex<Known>,
+    hasher: RandomState,
     observations: AtomicU64,
 }
 
@@ -74,7 +179,8 @@ impl Registry {
             kept,
             scraped_handle: scraped.handle(),
             scraped,
-            seen: Mutex::new(HashMap::new()),
+            known: Mutex::new(Known::default()),
+            hasher: RandomState::new(),
             observations: AtomicU64::new(0),
         }
     }
@@ -91,19 +197,46 @@ impl Registry {
         }
     }
 
-    /// The exporter's key of a series, with labels folded into `other` once
-    /// the family has [`MAX_SERIES_PER_FAMILY`] label sets.
-    fn key(&self, name: &'static str, labels: &[(&'static str, &str)]) -> Key {
-        let set: Labels = labels.iter().map(|(k, v)| (*k, v.to_string())).collect();
-        let mut seen = self.seen.lock().unwrap();
-        let fam = seen.entry(name).or_default();
-        let set = if fam.contains(&set) || fam.len() < MAX_SERIES_PER_FAMILY {
-            fam.insert(set.clone());
-            set
-        } else {
-            labels.iter().map(|(k, _)| (*k, "other".to_string())).collect()
-        };
-        Key::from_parts(name, set.into_iter().map(|(k, v)| Label::new(k, v)).collect::<Vec<_>>())
+    /// The handle of a kept series: the one resolved before, else
+    /// `register`'s for its key. Once the family has
+    /// [`MAX_SERIES_PER_FAMILY`] label sets, a new set is recorded as the
+    /// family's `other` series (every label `other`), which is kept once
+    /// and not counted, so what is remembered stays bounded too.
+    fn handle(
+        &self,
+        kind: Kind,
+        name: &'static str,
+        labels: &[(&'static str, &str)],
+        register: impl Fn(&PrometheusRecorder, &Key) -> Handle,
+    ) -> Handle {
+        let mut known = self.known.lock().unwrap();
+        let hash = self.hash(name, labels);
+        if let Some(s) = known.find(hash, kind, name, labels) {
+            return s;
+        }
+        let family = known.per_family.entry(name).or_default();
+        if *family < MAX_SERIES_PER_FAMILY {
+            *family += 1;
+            return known.add(hash, kind, name, labels, &self.kept, &register);
+        }
+        let other: Vec<(&'static str, &str)> = labels.iter().map(|(k, _)| (*k, "other")).collect();
+        let hash = self.hash(name, &other);
+        match known.find(hash, kind, name, &other) {
+            Some(s) => s,
+            None => known.add(hash, kind, name, &other, &self.kept, &register),
+        }
+    }
+
+    fn hash(&self, name: &str, labels: &[(&'static str, &str)]) -> u64 {
+        let mut h = self.hasher.build_hasher();
+        h.write(name.as_bytes());
+        for (k, v) in labels {
+            h.write_u8(0xff);
+            h.write(k.as_bytes());
+            h.write_u8(0xfe);
+            h.write(v.as_bytes());
+        }
+        h.finish()
     }
 
     /// Declares a counter family with one label and starts the series of
@@ -124,8 +257,11 @@ impl Registry {
     /// Adds `v` (a whole, non-negative number) to a counter; 0 makes the
     /// series appear at 0.
     pub fn inc_by(&self, name: &'static str, labels: &[(&'static str, &str)], v: f64) {
-        let counter = self.kept.register_counter(&self.key(name, labels), &METADATA);
-        counter.increment(v.max(0.0).round() as u64);
+        let h = self
+            .handle(Kind::Counter, name, labels, |r, k| Handle::Counter(r.register_counter(k, &METADATA)));
+        if let Handle::Counter(c) = h {
+            c.increment(v.max(0.0).round() as u64);
+        }
     }
 
     /// Adds 1 to a counter.
@@ -135,7 +271,11 @@ impl Registry {
 
     /// Sets a gauge.
     pub fn set(&self, name: &'static str, labels: &[(&'static str, &str)], v: f64) {
-        self.kept.register_gauge(&self.key(name, labels), &METADATA).set(v);
+        if let Handle::Gauge(g) =
+            self.handle(Kind::Gauge, name, labels, |r, k| Handle::Gauge(r.register_gauge(k, &METADATA)))
+        {
+            g.set(v);
+        }
     }
 
     /// Replaces every series of a gauge family at once: a family computed
@@ -153,10 +293,22 @@ impl Registry {
 
     /// Records one observation (seconds) in a latency histogram.
     pub fn observe(&self, name: &'static str, labels: &[(&'static str, &str)], secs: f64) {
-        self.kept.register_histogram(&self.key(name, labels), &METADATA).record(secs);
+        let h = self.handle(Kind::Histogram, name, labels, |r, k| {
+            Handle::Histogram(r.register_histogram(k, &METADATA))
+        });
+        if let Handle::Histogram(h) = h {
+            h.record(secs);
+        }
         if self.observations.fetch_add(1, Ordering::Relaxed) % UPKEEP_EVERY == UPKEEP_EVERY - 1 {
             self.kept_handle.run_upkeep();
         }
+    }
+
+    /// How many series the registry keeps handles of.
+    #[cfg(test)]
+    fn series(&self) -> usize {
+        let known = self.known.lock().unwrap();
+        known.by_hash.len() + known.collided.len()
     }
 
     /// The whole registry in Prometheus text exposition format 0.0.4.
@@ -221,5 +373,37 @@ mod tests {
         }
         let text = r.render();
         assert!(text.contains("c{k=\"other\"} 10"), "{}", &text[text.len() - 200..]);
+        // What the registry remembers is bounded too: the family's sets and
+        // its one `other` series, however many sets were asked for.
+        assert_eq!(r.series(), MAX_SERIES_PER_FAMILY + 1);
+        r.inc("c", &[("k", "0")]);
+        assert!(r.render().contains("c{k=\"0\"} 2"));
+    }
+
+    #[test]
+    fn a_series_is_resolved_once_and_each_kind_apart() {
+        let r = Registry::default();
+        for _ in 0..100 {
+            r.inc("hits_total", &[("code", "ok"), ("region", "eu")]);
+            r.observe("lat_seconds", &[("code", "ok")], 0.001);
+        }
+        r.inc("hits_total", &[("code", "ok"), ("region", "us")]);
+        // The same labels in another family, and another value of a
+        // label, are other series.
+        r.set("hits_total_g", &[("code", "ok"), ("region", "eu")], 5.0);
+        r.inc("hits_total", &[("code", "okregion"), ("region", "eu")]);
+        assert_eq!(r.series(), 5);
+        // Keys count as much as values, and where one value ends.
+        r.inc("pairs_total", &[("a", "1")]);
+        r.inc("pairs_total", &[("b", "1")]);
+        r.inc("pairs_total", &[("a", "1"), ("b", "")]);
+        r.inc("pairs_total", &[("a", "1b"), ("", "")]);
+        assert_eq!(r.series(), 9);
+        let text = r.render();
+        assert!(text.contains("hits_total{code=\"ok\",region=\"eu\"} 100"), "{text}");
+        assert!(text.contains("hits_total{code=\"ok\",region=\"us\"} 1"), "{text}");
+        assert!(text.contains("hits_total_g{code=\"ok\",region=\"eu\"} 5"), "{text}");
+        assert!(text.contains("lat_seconds_count{code=\"ok\"} 100"), "{text}");
+        assert!(text.contains("pairs_total{b=\"1\"} 1"), "{text}");
     }
 }
