@@ -240,6 +240,11 @@ impl Store {
 
     /// Runs a script invocation (EVALSHA; SCRIPT LOAD and retry on NOSCRIPT,
     /// which is what a new primary after a failover answers first).
+    ///
+    /// The Sentinel lookup is boxed: inline, its state (6.3 KiB) was part of
+    /// every call's future, whatever the connection, and so of every
+    /// decision and of every renewal round in flight (see
+    /// `renew::size`); boxed, only a Sentinel call allocates it.
     pub async fn eval<T: FromRedisValue>(&self, inv: &ScriptInvocation<'_>) -> Result<T, StoreError> {
         // The Sentinel connection's generation this call used, so that a
         // timeout gives up that connection and not a newer one.
@@ -249,7 +254,7 @@ impl Store {
                 Conn::Single(mut c) => inv.invoke_async(&mut c).await,
                 Conn::Cluster(mut c) => inv.invoke_async(&mut c).await,
                 Conn::Sentinel(p) => {
-                    let (gen, mut c) = p.connection().await?;
+                    let (gen, mut c) = Box::pin(p.connection()).await?;
                     used.store(gen, Ordering::SeqCst);
                     let r = inv.invoke_async(&mut c).await;
                     p.observe(gen, &r);
@@ -268,7 +273,7 @@ impl Store {
                 Conn::Single(mut c) => cmd.query_async(&mut c).await,
                 Conn::Cluster(mut c) => cmd.query_async(&mut c).await,
                 Conn::Sentinel(p) => {
-                    let (gen, mut c) = p.connection().await?;
+                    let (gen, mut c) = Box::pin(p.connection()).await?;
                     used.store(gen, Ordering::SeqCst);
                     let r = cmd.query_async(&mut c).await;
                     p.observe(gen, &r);
