@@ -107,9 +107,9 @@ impl Series {
     }
 }
 
-/// The kept series by the hash of their kind, name and labels (a second
-/// series of the same hash, never seen in practice, goes to `collided`),
-/// and how many distinct label sets each family holds.
+/// The kept series by the hash of their name and labels (a second series
+/// of the same hash, another kind of the same name or a true collision,
+/// goes to `collided`), and how many distinct label sets each family holds.
 #[derive(Default)]
 struct Known {
     by_hash: HashMap<u64, Series>,
