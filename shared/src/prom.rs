@@ -65,22 +65,37 @@ enum Handle {
     Histogram(Histogram),
 }
 
+impl Handle {
+    fn kind(&self) -> Kind {
+        match self {
+            Handle::Counter(_) => Kind::Counter,
+            Handle::Gauge(_) => Kind::Gauge,
+            Handle::Histogram(_) => Kind::Histogram,
+        }
+    }
+}
+
 /// One series recorded one by one: its name and labels as asked (before a
 /// fold into `other`) and the handle they resolved to. The labels are kept
 /// as one run of bytes ([`encode`]), one allocation per series: one series
 /// is kept per quota in the per-quota families.
 struct Series {
-    kind: Kind,
     name: &'static str,
     labels: Box<[u8]>,
     handle: Handle,
+}
+
+/// Each key and value of `labels` in turn: what [`encode`], [`Series::is`]
+/// and the registry's hash read, each part preceded by its length.
+fn parts<'a>(labels: &'a [(&'static str, &'a str)]) -> impl Iterator<Item = &'a str> {
+    labels.iter().flat_map(|(k, v)| [*k, *v])
 }
 
 /// `labels` as each key and value preceded by its length, so that no two
 /// label lists encode alike whatever bytes their values hold.
 fn encode(labels: &[(&'static str, &str)]) -> Box<[u8]> {
     let mut out = Vec::with_capacity(labels.iter().map(|(k, v)| 8 + k.len() + v.len()).sum());
-    for part in labels.iter().flat_map(|(k, v)| [*k, *v]) {
+    for part in parts(labels) {
         out.extend_from_slice(&(part.len() as u32).to_le_bytes());
         out.extend_from_slice(part.as_bytes());
     }
@@ -91,11 +106,11 @@ impl Series {
     /// Whether this is the series of `kind`, `name` and `labels` (compared
     /// with the kept bytes as [`encode`] wrote them, without allocating).
     fn is(&self, kind: Kind, name: &str, labels: &[(&'static str, &str)]) -> bool {
-        if self.kind != kind || self.name != name {
+        if self.handle.kind() != kind || self.name != name {
             return false;
         }
         let mut rest: &[u8] = &self.labels;
-        for part in labels.iter().flat_map(|(k, v)| [*k, *v]) {
+        for part in parts(labels) {
             let Some((len, r)) = rest.split_first_chunk::<4>() else { return false };
             let len = u32::from_le_bytes(*len) as usize;
             if r.len() < len || r[..len] != *part.as_bytes() {
@@ -127,7 +142,6 @@ impl Known {
     fn add(
         &mut self,
         hash: u64,
-        kind: Kind,
         name: &'static str,
         labels: &[(&'static str, &str)],
         recorder: &PrometheusRecorder,
@@ -138,7 +152,7 @@ impl Known {
             labels.iter().map(|(k, v)| Label::new(*k, v.to_string())).collect::<Vec<_>>(),
         );
         let handle = register(recorder, &key);
-        let series = Series { kind, name, labels: encode(labels), handle: handle.clone() };
+        let series = Series { name, labels: encode(labels), handle: handle.clone() };
         match self.by_hash.entry(hash) {
             std::collections::hash_map::Entry::Vacant(e) => {
                 e.insert(series);
@@ -217,24 +231,22 @@ impl Registry {
         let family = known.per_family.entry(name).or_default();
         if *family < MAX_SERIES_PER_FAMILY {
             *family += 1;
-            return known.add(hash, kind, name, labels, &self.kept, &register);
+            return known.add(hash, name, labels, &self.kept, &register);
         }
         let other: Vec<(&'static str, &str)> = labels.iter().map(|(k, _)| (*k, "other")).collect();
         let hash = self.hash(name, &other);
         match known.find(hash, kind, name, &other) {
             Some(s) => s,
-            None => known.add(hash, kind, name, &other, &self.kept, &register),
+            None => known.add(hash, name, &other, &self.kept, &register),
         }
     }
 
     fn hash(&self, name: &str, labels: &[(&'static str, &str)]) -> u64 {
         let mut h = self.hasher.build_hasher();
         h.write(name.as_bytes());
-        for (k, v) in labels {
-            h.write_u8(0xff);
-            h.write(k.as_bytes());
-            h.write_u8(0xfe);
-            h.write(v.as_bytes());
+        for part in parts(labels) {
+            h.write_u32(part.len() as u32);
+            h.write(part.as_bytes());
         }
         h.finish()
     }
