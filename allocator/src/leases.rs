@@ -356,7 +356,7 @@ pub(crate) async fn get_lease(
         .fetch_optional(&state.db)
         .await?
         .ok_or_else(|| Error::UnknownLease(lease_id.to_string()))?;
-    let events = ledger::for_lease(&state.db, lease_id).await?;
+    let events = ledger::for_lease(&state.db, lease_id, &row.tenant, &row.resource).await?;
     let body = LeaseWithEvents { lease: row.to_view(), events };
     Ok(Json(serde_json::to_value(body).map_err(|e| Error::Internal(Box::new(e)))?))
 }

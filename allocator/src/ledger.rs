@@ -382,8 +382,11 @@ pub async fn refusals(
         .await?)
 }
 
-/// Events that mention one lease, oldest first.
+/// Events that mention one lease of quota `tenant`/`resource`, oldest
+/// first (the quota bounds the search to its own rows).
 #[tracing::instrument(level = "debug", skip_all, fields(%lease_id))]
-pub async fn for_lease(db: &PgPool, lease_id: Uuid) -> Result<Vec<Event>> {
-    Ok(sqlx::query_file_as!(Event, "src/sql/ledger_for_lease.sql", lease_id).fetch_all(db).await?)
+pub async fn for_lease(db: &PgPool, lease_id: Uuid, tenant: &str, resource: &str) -> Result<Vec<Event>> {
+    Ok(sqlx::query_file_as!(Event, "src/sql/ledger_for_lease.sql", lease_id, tenant, resource)
+        .fetch_all(db)
+        .await?)
 }

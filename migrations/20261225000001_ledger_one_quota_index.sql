@@ -1,0 +1,11 @@
+-- One index per ledger order for a quota (issue 29): every grant, release
+-- and report writes a ledger row, and each index on ledger_event is one
+-- more entry written under the grant's pool lock.
+--
+-- `ledger_event_by_quota (tenant, resource, id)` was the quota filter of
+-- the id cursor. Since the cursor walks (txid, id) (20261203000001) its
+-- readers filter a quota through `ledger_event_by_quota_txid (tenant,
+-- resource, txid, id)`, whose prefix serves every lookup the older index
+-- served (a quota's refusals, a lease's events within its quota, tests
+-- that list a tenant's rows); no query orders a quota's rows by id alone.
+drop index if exists ledger_event_by_quota;
