@@ -147,7 +147,7 @@ pub fn describe(m: &Registry) {
     m.describe(
         "agent_acquire_store_seconds",
         "histogram",
-        "Time an acquire waits on the spend script within the handler: queued behind the quota's run in flight, then its own run's Redis round trip (the rest of agent_acquire_seconds is the agent's own work)",
+        "Time an acquire waits on the spend script within the handler: queued behind the quota's runs in flight, then its own run's Redis round trip (the rest of agent_acquire_seconds is the agent's own work)",
     );
     m.describe(
         "agent_spend_runs_total",

@@ -462,7 +462,7 @@ struct Stages {
     client_and_http_us: f64,
     /// The agent's own work in the handler: JSON, quota lookup, headers.
     agent_us: f64,
-    /// Waiting on the spend script: the quota's run in flight, then its own.
+    /// Waiting on the spend script: the quota's runs in flight, then its own.
     redis_us: f64,
     /// Decisions per run of the spend script (the batch size).
     decisions_per_run: f64,

@@ -225,7 +225,7 @@ fn stages_table(s: &mut String, r: &BenchReport) {
         "Client mean latency split by the agent's own histograms (`agent_acquire_seconds`, \
          `agent_acquire_store_seconds`, `agent_spend_runs_total`, read from `/metrics` around \
          each run). Concurrent decisions on one quota share a run of the spend script; the Redis \
-         column is a decision's wait for the run in flight plus its own run.\n"
+         column is a decision's wait for the runs in flight plus its own run.\n"
     );
     let _ = writeln!(s, "| clients | client, loopback and HTTP outside the handler | agent's own work | waiting on the spend script (Redis) | decisions per script run |");
     let _ = writeln!(s, "|---|---|---|---|---|");
